@@ -1,0 +1,1 @@
+"""embodied_jax: train and evaluate vision-language-action robot policies in JAX/Flax."""

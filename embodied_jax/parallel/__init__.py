@@ -1,0 +1,1 @@
+"""Device meshes, logical-axis sharding rules, multi-host initialisation, global arrays."""

@@ -1,0 +1,233 @@
+"""The training loop: build, restore or initialise, step, log, checkpoint, evaluate.
+
+The host reads each step's metrics one step late, while the next step runs, so the
+device never waits for the host. SIGTERM/SIGINT end the run at the next step
+boundary with a final checkpoint (exit status 128 + signal number, so schedulers
+requeue it); ``train.max_consecutive_skips`` non-finite steps in a row end it with a
+checkpoint and ``NonFiniteLossError``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import signal
+from typing import Any
+
+import jax
+import numpy as np
+
+from embodied_jax.parallel import distributed
+from embodied_jax.parallel.mesh import describe_mesh, make_mesh
+from embodied_jax.parallel.sharding import data_parallel_size, global_batch, mesh_context
+from embodied_jax.train import pretrained
+from embodied_jax.train.checkpoint import Checkpointer
+from embodied_jax.train.config import ExperimentConfig, to_dict
+from embodied_jax.train.metrics import MetricsWriter, Throughput
+from embodied_jax.train.optimizer import make_optimizer
+from embodied_jax.train.state import (
+    ModelParts, TrainState, init_seed, make_init_fn, model_parts, state_shardings,
+)
+from embodied_jax.train.step import jit_train_step, make_train_step
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; raised before anything is compiled or written."""
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class Preempted(Exception):
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"received {signal.Signals(signum).name} at step {step}: checkpoint saved")
+        self.signum = signum
+        self.step = step
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Everything derived from the config before any array is allocated."""
+
+    config: ExperimentConfig
+    mesh: Any
+    parts: ModelParts
+    tx: Any
+    schedule: Any
+    init_fn: Any
+    abstract_state: TrainState
+    shardings: TrainState
+
+
+def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1) -> None:
+    """Checks that need no compile; each error names the config field."""
+    t = config.train
+    if config.model is None:
+        raise ConfigError("model: the experiment has no model config")
+    for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "max_consecutive_skips"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 1")
+    if t.ema_decay is not None and not 0.0 <= t.ema_decay < 1.0:
+        raise ConfigError(f"train.ema_decay={t.ema_decay} must be in [0, 1)")
+    if config.checkpoint.save_every < 1:
+        raise ConfigError(f"checkpoint.save_every={config.checkpoint.save_every} must be >= 1")
+    if config.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr={config.optimizer.lr} must be > 0")
+    if t.batch_size % process_count:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by the {process_count} processes")
+    if t.batch_size % t.grad_accum_steps:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}")
+
+
+def build(config: ExperimentConfig) -> Runtime:
+    from embodied_jax.parallel.mesh import MeshError
+
+    try:
+        mesh = make_mesh(config.mesh)
+    except MeshError as e:
+        raise ConfigError(str(e)) from e
+    validate(config, mesh.devices.size, jax.process_count())
+    dp = data_parallel_size(mesh)
+    micro = config.train.batch_size // config.train.grad_accum_steps
+    if micro % dp:
+        raise ConfigError(
+            f"train.batch_size={config.train.batch_size} / train.grad_accum_steps={config.train.grad_accum_steps} "
+            f"= {micro} rows per micro-batch is not divisible by the {dp} data-parallel devices "
+            f"(mesh.data × mesh.fsdp)"
+        )
+    parts = model_parts(config.model, mesh, config.optimizer.freeze)
+    tx, schedule = make_optimizer(config.optimizer, config.train.steps)
+    init_fn = make_init_fn(config.model, parts, tx, config.optimizer, mesh, config.train.ema_decay is not None)
+    with mesh_context(mesh):
+        abstract_state = jax.eval_shape(init_fn, init_seed(config.train.seed))
+    shardings = state_shardings(abstract_state, parts, tx, mesh)
+    return Runtime(config, mesh, parts, tx, schedule, init_fn, abstract_state, shardings)
+
+
+def initial_state(rt: Runtime) -> TrainState:
+    with mesh_context(rt.mesh):
+        state = jax.jit(rt.init_fn, out_shardings=rt.shardings)(init_seed(rt.config.train.seed))
+    if rt.config.init_from:
+        state = pretrained.load_into(state, rt.config.init_from, rt.abstract_state, rt.shardings)
+    return state
+
+
+class _SignalFlag:
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C aborts without waiting for the save
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclasses.dataclass
+class RunResult:
+    final_step: int
+    history: list[dict[str, float]]
+    workdir: pathlib.Path
+    checkpoint_dir: pathlib.Path | None
+    restored_from: int | None
+
+
+def train(config: ExperimentConfig) -> RunResult:
+    distributed.initialize(config.distributed)
+    rt = build(config)
+    workdir = pathlib.Path(config.workdir)
+    t = config.train
+    if jax.process_index() == 0:
+        log.info("mesh: %s", describe_mesh(rt.mesh))
+    data_it = config.data.make_iterator(
+        model=config.model, process_index=jax.process_index(), process_count=jax.process_count(),
+        batch_size=t.batch_size, seed=t.seed,
+    )
+    norm_stats = getattr(data_it, "norm_stats", None)
+    ckpt = None
+    restored_from = None
+    if config.checkpoint.enabled:
+        ckpt = Checkpointer(config.checkpoint.directory or workdir / "checkpoints", config.checkpoint)
+    if ckpt is not None and ckpt.latest_step() is not None:
+        restored_from = ckpt.latest_step()
+        state, saved_stats = ckpt.restore(rt.abstract_state, rt.shardings, iterator=data_it)
+        norm_stats = saved_stats or norm_stats
+        log.info("resumed from step %d of %s", restored_from, ckpt.directory)
+    else:
+        state = initial_state(rt)
+    first = int(jax.device_get(state.step))
+    config_dict = to_dict(config)
+    writer = MetricsWriter(config.metrics, workdir, t.steps, first, config_dict)
+    step_fn = None
+    throughput = Throughput()
+    pending: tuple[int, dict] | None = None
+
+    def save(step: int, force: bool = False):
+        if ckpt is not None:
+            ckpt.save(step, state, iterator=data_it, norm_stats=norm_stats, config=config_dict, force=force)
+
+    def handle(step: int, metrics: dict) -> None:
+        values = jax.device_get(metrics)
+        tokens = float(values.get("tokens", 0.0))
+        throughput.add(t.batch_size, tokens)
+        if int(values["consecutive_skips"]) >= t.max_consecutive_skips:
+            save(int(jax.device_get(state.step)), force=True)
+            if ckpt is not None:
+                ckpt.wait()
+            writer.close()
+            raise NonFiniteLossError(
+                f"{t.max_consecutive_skips} consecutive non-finite steps ending at step {step}: "
+                f"checkpoint saved at step {int(jax.device_get(state.step))}"
+            )
+        if step % t.log_every == 0 or step == t.steps:
+            writer.write(step, {**values, **throughput.rates()})
+
+    with _SignalFlag() as stop, mesh_context(rt.mesh):
+        try:
+            for step in range(first, t.steps):
+                batch = global_batch(next(data_it), rt.mesh)
+                if step_fn is None:
+                    step_fn = jit_train_step(
+                        make_train_step(rt.parts, rt.tx, rt.schedule, t, rt.mesh), rt.shardings, batch, rt.mesh
+                    )
+                state, metrics = step_fn(state, batch)
+                if pending is not None:
+                    handle(*pending)
+                pending = (step + 1, metrics)
+                writer.advance()
+                done = step + 1
+                if config.evaluation is not None and t.eval_every and done % t.eval_every == 0:
+                    model = rt.parts.merge(state.params, state.frozen, state.fp8, state.other)
+                    writer.write(done, {f"eval/{k}": v for k, v in config.evaluation.evaluate(model, done).items()})
+                preempted = stop.signum is not None or (ckpt is not None and ckpt.reached_preemption(done))
+                if done % config.checkpoint.save_every == 0 or done == t.steps or preempted:
+                    save(done, force=preempted or done == t.steps)
+                if preempted:
+                    handle(*pending)
+                    pending = None
+                    if ckpt is not None:
+                        ckpt.wait()
+                    raise Preempted(stop.signum or signal.SIGTERM, done)
+            if pending is not None:
+                handle(*pending)
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+            writer.close()
+    return RunResult(int(jax.device_get(state.step)), writer.history, workdir,
+                     ckpt.directory if ckpt else None, restored_from)

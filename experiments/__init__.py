@@ -1,0 +1,1 @@
+"""Named experiments, the launcher and benchmarks."""

@@ -1,0 +1,37 @@
+"""Test session setup: an 8-device CPU mesh and a shared JAX compilation cache.
+
+Environment variables are set before JAX is imported so that every test (and every
+subprocess a test starts, which inherits the environment) sees 8 virtual CPU devices
+and reuses compiled executables from the same on-disk cache.
+"""
+import os
+import pathlib
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_ROOT / ".cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> pathlib.Path:
+    return _ROOT
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict[str, str]:
+    """Environment for child processes: the repo importable, same cache and devices."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
