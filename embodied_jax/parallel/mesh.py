@@ -78,8 +78,8 @@ def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     dcn = config.dcn_sizes()
     if math.prod(dcn) > 1:
         ici = tuple(total[a] // d for a, d in zip(MESH_AXES, dcn))
-        # TPU slices expose ``slice_index``; elsewhere (GPU/CPU nodes) a process is the granule.
-        by_process = not hasattr(devices[0], "slice_index")
+        # TPU pods group devices by slice; elsewhere (GPU/CPU nodes) a process is the granule.
+        by_process = devices[0].platform != "tpu"
         try:
             device_array = mesh_utils.create_hybrid_device_mesh(
                 ici, dcn, devices=devices, process_is_granule=by_process, allow_split_physical_axes=True

@@ -99,7 +99,10 @@ def build(config: ExperimentConfig) -> Runtime:
             f"(mesh.data × mesh.fsdp)"
         )
     parts = model_parts(config.model, mesh, config.optimizer.freeze)
-    tx, schedule = make_optimizer(config.optimizer, config.train.steps)
+    try:
+        tx, schedule = make_optimizer(config.optimizer, config.train.steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     init_fn = make_init_fn(config.model, parts, tx, config.optimizer, mesh, config.train.ema_decay is not None)
     with mesh_context(mesh):
         abstract_state = jax.eval_shape(init_fn, init_seed(config.train.seed))

@@ -1,6 +1,7 @@
-"""Training metrics to stdout (with a tqdm progress bar), TensorBoard and W&B (offline)."""
+"""Training metrics to stdout (with a tqdm progress bar), ``metrics.jsonl``, TensorBoard and W&B (offline)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pathlib
@@ -26,8 +27,11 @@ class MetricsWriter:
         self._bar = None
         self._tb = None
         self._wandb = None
+        self._jsonl = None
         if not self.enabled:
             return
+        pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(pathlib.Path(workdir) / "metrics.jsonl", "a")
         if config.progress_bar:
             self._bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True, desc="train")
         if config.tensorboard:
@@ -55,6 +59,8 @@ class MetricsWriter:
             self._bar.write(f"step {step}: {shown}")
         else:
             print(f"step {step}: {shown}", flush=True)
+        self._jsonl.write(json.dumps(values) + "\n")
+        self._jsonl.flush()
         if self._tb is not None:
             for k, v in values.items():
                 if k != "step":
@@ -68,6 +74,8 @@ class MetricsWriter:
             self._bar.update(n)
 
     def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
