@@ -1,0 +1,282 @@
+"""Segment-id attention: the mask rule, its backends and the KV-cache form.
+
+The one attention rule of the project (DESIGN.md): query token i attends key token j iff
+``q_seg[i] == kv_seg[j] != 0 and kv_block[j] <= q_block[i]``. Segment id 0 is padding;
+block ids default to zeros (full attention inside a segment); causal attention is the
+special case block ids == positions. Cross-attention (queries and keys from different
+streams, different lengths) follows the same rule. A query row with no visible key
+returns zeros, never NaN. ``attention_mask`` is the only place a dense mask is built.
+
+Backends (``impl``):
+
+- ``"xla"``: the reference. Dense [B, 1, T, S] mask, logits and softmax in float32,
+  masking with ``jnp.where``; grouped-query heads are computed by reshaping queries to
+  [B, T, K, G, H] so K/V are never repeated. Runs everywhere.
+- ``"cudnn"`` (GPU, float16/bfloat16, head_dim % 8 == 0 and <= 256): with block ids
+  ``None`` (or ``causal_blocks=True``), JAX's private cuDNN varlen path over packed
+  segments (``q_seqlen``/``q_offsets``), so padding and other segments cost no work;
+  segments must be contiguous runs (what the packer emits), at most ``max_segments``
+  per row. With general block ids it calls ``jax.nn.dot_product_attention(
+  implementation="cudnn")`` with the dense mask (fused kernel, mask as a bias).
+- ``"te"`` (GPU with Transformer Engine): ``DotProductAttention`` in THD layout with a
+  ``SequenceDescriptor`` from segment ids and within-segment positions. It expresses
+  block ids ``None`` (padding mask) or ``causal_blocks=True`` (padding-causal) only.
+- ``"auto"``: cudnn when legal on a GPU, else xla; it logs once per distinct reason why it
+  fell back. An explicit impl that is unavailable or illegal raises ``ValueError``.
+
+``causal_blocks=True`` is a static promise by the caller that the block ids equal the
+within-segment positions (causal attention); it lets the fused backends use their causal
+kernels. Without it, block ids are treated as a general block structure.
+
+KV cache: ``KVCache`` holds the prefix's k, v, segment ids and block ids. Pass
+``cache=...`` to ``attention`` to let the suffix queries attend the cached prefix followed
+by the suffix's own k/v (the rule applies to the concatenation); ``extend_kv`` returns that
+concatenation explicitly (e.g. to cache prefix + suffix).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+log = logging.getLogger(__name__)
+
+AttentionImpl = Literal["auto", "xla", "cudnn", "te"]
+IMPLS = ("auto", "xla", "cudnn", "te")
+
+_LOGGED_FALLBACKS: set[str] = set()
+
+
+@struct.dataclass
+class KVCache:
+    """Keys/values of a cached prefix: k, v [B, S, K, H]; segment_ids, block_ids int32 [B, S]."""
+
+    k: jax.Array
+    v: jax.Array
+    segment_ids: jax.Array
+    block_ids: jax.Array
+
+
+def extend_kv(cache: KVCache, k, v, segment_ids, block_ids=None) -> KVCache:
+    """Return the cache followed by new k/v (and their ids) along the key axis."""
+    if block_ids is None:
+        block_ids = jnp.zeros_like(segment_ids)
+    return KVCache(
+        k=jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
+        v=jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1),
+        segment_ids=jnp.concatenate([cache.segment_ids, segment_ids.astype(jnp.int32)], axis=1),
+        block_ids=jnp.concatenate([cache.block_ids, block_ids.astype(jnp.int32)], axis=1),
+    )
+
+
+def attention_mask(q_segment_ids, kv_segment_ids, q_block_ids=None, kv_block_ids=None):
+    """Bool [B, 1, T, S]: True where query i may attend key j (the project's one mask rule)."""
+    q_seg = jnp.asarray(q_segment_ids)[:, :, None]
+    kv_seg = jnp.asarray(kv_segment_ids)[:, None, :]
+    mask = (q_seg == kv_seg) & (kv_seg != 0)
+    if q_block_ids is not None or kv_block_ids is not None:
+        q_blk = jnp.zeros_like(q_segment_ids) if q_block_ids is None else q_block_ids
+        kv_blk = jnp.zeros_like(kv_segment_ids) if kv_block_ids is None else kv_block_ids
+        mask = mask & (jnp.asarray(kv_blk)[:, None, :] <= jnp.asarray(q_blk)[:, :, None])
+    return mask[:, None, :, :]
+
+
+def segment_positions(segment_ids):
+    """Position of each token inside its (contiguous) segment, 0 for padding. int32 [B, T]."""
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    idx = jnp.arange(seg.shape[1], dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return jnp.where(seg != 0, idx - start_idx, 0)
+
+
+def _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"attention: q, k, v must be [B, T, N, H]; got q{q.shape} k{k.shape} v{v.shape}")
+    b, t, n, h = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != h:
+        raise ValueError(f"attention: k{k.shape} and v{v.shape} must be [B={b}, S, K, H={h}]")
+    if n % k.shape[2]:
+        raise ValueError(f"attention: q heads {n} must be a multiple of kv heads {k.shape[2]}")
+    for name, ids, want in (
+        ("q_segment_ids", q_segment_ids, (b, t)),
+        ("kv_segment_ids", kv_segment_ids, (b, k.shape[1])),
+        ("q_block_ids", q_block_ids, (b, t)),
+        ("kv_block_ids", kv_block_ids, (b, k.shape[1])),
+    ):
+        if ids is not None and tuple(ids.shape) != want:
+            raise ValueError(f"attention: {name} has shape {tuple(ids.shape)}, expected {want}")
+
+
+def xla_attention(q, k, v, mask, scale):
+    """Reference dense-mask attention; mask bool [B, 1, T, S]; GQA without repeating K/V."""
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = logits.astype(jnp.float32) * jnp.float32(scale)
+    mask5 = mask[:, :, None, :, :]  # [B, 1, 1, T, S]
+    logits = jnp.where(mask5, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(mask5, probs, 0.0)  # rows without any visible key become zeros
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _cudnn_illegal_reason(q, k, v) -> str | None:
+    """Why the cuDNN fused kernel cannot run these inputs here, or None when it can."""
+    if not _on_gpu():
+        return f"cudnn needs a GPU (default backend is {jax.default_backend()!r})"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"cudnn needs float16/bfloat16 q, k, v (got {q.dtype}, {k.dtype}, {v.dtype})"
+    h = q.shape[-1]
+    if h % 8 or h > 256:
+        return f"cudnn needs head_dim % 8 == 0 and <= 256 (got {h})"
+    return None
+
+
+def _te_illegal_reason(q, general_blocks: bool) -> str | None:
+    if not _on_gpu():
+        return f"te needs a GPU (default backend is {jax.default_backend()!r})"
+    if general_blocks:
+        return "te expresses only padding or causal masks; general block ids need causal_blocks=True or xla/cudnn"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"te needs float16/bfloat16 inputs (got {q.dtype})"
+    try:
+        import transformer_engine.jax  # noqa: F401
+    except Exception as exc:  # ImportError or a CUDA library failing to load
+        return f"te: transformer_engine.jax is not importable ({exc.__class__.__name__}: {exc})"
+    return None
+
+
+def _log_fallback_once(reason: str) -> None:
+    if reason not in _LOGGED_FALLBACKS:
+        _LOGGED_FALLBACKS.add(reason)
+        log.info("attention impl='auto' uses xla: %s", reason)
+
+
+def _segment_offsets(segment_ids, max_segments: int):
+    """Per-row offsets [B, M+1] and lengths [B, M] of segments 1..M (contiguous runs), -1 if absent."""
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    length = seg.shape[1]
+    ids = jnp.arange(1, max_segments + 1, dtype=jnp.int32)
+    member = seg[:, None, :] == ids[None, :, None]  # [B, M, T]
+    counts = member.sum(-1).astype(jnp.int32)
+    first = jnp.argmax(member, axis=-1).astype(jnp.int32)
+    present = counts > 0
+    # cuDNN expects present segments first; packers number segments 1..n in order, so the
+    # present ones are a prefix of 1..M and absent entries are filled with -1.
+    seqlen = jnp.where(present, counts, -1)
+    offsets = jnp.where(present, first, -1)
+    total = jnp.where(present, first + counts, 0).max(-1, keepdims=True)
+    offsets = jnp.concatenate([offsets, jnp.full_like(offsets[:, :1], -1)], axis=1)
+    n_present = present.sum(-1)
+    offsets = offsets.at[jnp.arange(seg.shape[0]), n_present].set(jnp.minimum(total[:, 0], length))
+    return offsets, seqlen
+
+
+def _cudnn_attention(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale, causal_blocks, max_segments):
+    mask = attention_mask(q_seg, kv_seg, q_blk, kv_blk)
+    general_blocks = (q_blk is not None or kv_blk is not None) and not causal_blocks
+    if general_blocks:
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
+    else:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+        m = max_segments or min(q.shape[1], k.shape[1])
+        q_off, q_len = _segment_offsets(q_seg, m)
+        kv_off, kv_len = _segment_offsets(kv_seg, m)
+        mask_type = cudnn_fa.MaskType.CAUSAL if causal_blocks else cudnn_fa.MaskType.NO_MASK
+        out = cudnn_fa.dot_product_attention(
+            q, k, v, q_seqlen=q_len, kv_seqlen=kv_len, q_offsets=q_off, kv_offsets=kv_off,
+            scale=scale, mask_type=mask_type, qkv_layout="BTNH",
+        )
+    has_key = mask.any(-1)[:, 0, :, None, None]  # [B, T, 1, 1]
+    return jnp.where(has_key, out, 0).astype(q.dtype)
+
+
+def _te_attention(q, k, v, q_seg, kv_seg, scale, causal_blocks):
+    from transformer_engine.jax.attention import SequenceDescriptor
+    from transformer_engine.jax.flax import DotProductAttention
+
+    n, h, kv_heads = q.shape[2], q.shape[3], k.shape[2]
+    module = DotProductAttention(
+        head_dim=h,
+        num_attention_heads=n,
+        num_gqa_groups=kv_heads,
+        attn_mask_type="padding_causal" if causal_blocks else "padding",
+        qkv_layout="THD_THD_THD",
+        transpose_batch_sequence=False,
+        scale_factor=scale,
+        attention_dropout=0.0,
+    )
+    descriptor = SequenceDescriptor.from_segment_ids_and_pos(
+        (q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)),
+        (segment_positions(q_seg), segment_positions(kv_seg)),
+    )
+    out = module.apply({}, q, k, v, sequence_descriptor=descriptor, deterministic=True)
+    mask = attention_mask(q_seg, kv_seg)
+    has_key = mask.any(-1)[:, 0, :, None, None]
+    return jnp.where(has_key, out.reshape(q.shape), 0).astype(q.dtype)
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    q_segment_ids,
+    kv_segment_ids,
+    q_block_ids=None,
+    kv_block_ids=None,
+    impl: AttentionImpl = "auto",
+    scale: float | None = None,
+    cache: KVCache | None = None,
+    causal_blocks: bool = False,
+    max_segments: int | None = None,
+):
+    """Segment-id attention. q [B, T, N, H]; k, v [B, S, K, H]; returns [B, T, N, H] in q.dtype.
+
+    With ``cache``, keys are the cached prefix followed by ``k``/``v`` (whose ids are
+    ``kv_segment_ids``/``kv_block_ids``). See the module docstring for backends.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"attention: impl={impl!r} is not one of {IMPLS}")
+    if cache is not None:
+        full = extend_kv(cache, k, v, kv_segment_ids, kv_block_ids)
+        k, v, kv_segment_ids, kv_block_ids = full.k, full.v, full.segment_ids, full.block_ids
+        if q_block_ids is None:
+            q_block_ids = jnp.zeros_like(q_segment_ids)
+    _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids)
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else scale
+    general_blocks = (q_block_ids is not None or kv_block_ids is not None) and not causal_blocks
+
+    if impl == "auto":
+        reason = _cudnn_illegal_reason(q, k, v)
+        impl = "xla" if reason else "cudnn"
+        if reason:
+            _log_fallback_once(reason)
+    elif impl == "cudnn":
+        reason = _cudnn_illegal_reason(q, k, v)
+        if reason:
+            raise ValueError(f"attention impl='cudnn' unavailable: {reason}; use impl='auto' or 'xla'")
+    elif impl == "te":
+        reason = _te_illegal_reason(q, general_blocks)
+        if reason:
+            raise ValueError(f"attention impl='te' unavailable: {reason}; use impl='auto' or 'xla'")
+
+    if impl == "xla":
+        mask = attention_mask(q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids)
+        return xla_attention(q, k, v, mask, scale)
+    if impl == "cudnn":
+        return _cudnn_attention(
+            q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, scale, causal_blocks, max_segments
+        )
+    return _te_attention(q, k, v, q_segment_ids, kv_segment_ids, scale, causal_blocks)

@@ -1,0 +1,74 @@
+"""Time / position embeddings and token embeddings.
+
+- ``sincos_embedding``: openpi / π0(.5) ``posemb_sincos`` convention.
+- ``timestep_embedding``: diffusers ``get_timestep_embedding`` (used by GR00T-N1.5's DiT
+  timestep encoder with ``flip_sin_to_cos=True, downscale_freq_shift=1``; GR00T's action
+  encoder uses its own sinusoidal encoding, which the model builds from this helper with
+  its arguments): exponent = -log(max_period) * arange(half) / (half - shift),
+  emb = t * exp(exponent) (times ``scale``), concat[sin, cos] (or [cos, sin] if flipped),
+  zero-padded by one column when ``dim`` is odd.
+- ``LearnedPositions`` (param ``embedding`` [num, dim]) and ``Embed`` (token table with
+  axes ("vocab", "embed"), ``attend`` for a tied output projection).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+
+def sincos_embedding(t, dim: int, *, min_period: float = 4e-3, max_period: float = 4.0):
+    """t [...] -> float32 [..., dim]: concat[sin, cos](2π t / period), periods log-spaced."""
+    if dim % 2:
+        raise ValueError(f"sincos_embedding: dim must be even, got {dim}")
+    fraction = jnp.linspace(0.0, 1.0, dim // 2, dtype=jnp.float32)
+    period = min_period * (max_period / min_period) ** fraction
+    angle = jnp.asarray(t, jnp.float32)[..., None] * (2.0 * math.pi / period)
+    return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
+
+
+def timestep_embedding(t, dim: int, *, flip_sin_to_cos: bool = True, downscale_freq_shift: float = 1.0,
+                       max_period: float = 10000.0, scale: float = 1.0):
+    """diffusers ``get_timestep_embedding``: t [...] -> float32 [..., dim]."""
+    half = dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - downscale_freq_shift)
+    angle = jnp.asarray(t, jnp.float32)[..., None] * jnp.exp(exponent) * scale
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, [(0, 0)] * (emb.ndim - 1) + [(0, 1)])
+    return emb
+
+
+class LearnedPositions(nnx.Module):
+    """Learned position table, param ``embedding`` [num, dim]; call with int positions."""
+
+    def __init__(self, num: int, dim: int, *, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.embedding = nnx.Param(init(rngs.params(), (num, dim), param_dtype), out_sharding=("positions", "embed"))
+
+    def __call__(self, positions=None):
+        table = self.embedding[...]
+        return table if positions is None else jnp.take(table, positions, axis=0)
+
+
+class Embed(nnx.Module):
+    """Token embedding, param ``embedding`` [vocab, embed]."""
+
+    def __init__(self, num: int, dim: int, *, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs):
+        self.num = num
+        self.dtype = dtype
+        init = nnx.initializers.normal(1.0 / math.sqrt(dim))
+        self.embedding = nnx.Param(init(rngs.params(), (num, dim), param_dtype), out_sharding=("vocab", "embed"))
+
+    def __call__(self, tokens):
+        table = self.embedding[...]
+        return jnp.take(table, tokens, axis=0).astype(self.dtype or table.dtype)
+
+    def attend(self, x):
+        """Logits against the table (tied output projection): x [..., dim] -> [..., vocab]."""
+        dtype = self.dtype or self.embedding.dtype
+        return jnp.einsum("...d,vd->...v", x.astype(dtype), self.embedding[...].astype(dtype))
