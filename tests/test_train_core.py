@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -14,7 +15,8 @@ from embodied_jax.train import loop
 from embodied_jax.train.config import SyntheticData
 from embodied_jax.train.step import jit_train_step, make_train_step
 from experiments import launch
-from tests.train_utils import losses, toy_config
+from experiments.toy_flow_policy import ToyFlowConfig, ToyFlowPolicy
+from tests.train_utils import TOY, losses, toy_config
 
 MESHES = {
     "data8": MeshConfig(data=8),
@@ -164,3 +166,87 @@ def test_help_lists_experiments(capsys):
     out = capsys.readouterr().out
     for name in ("demo", "toy", "toy_large"):
         assert name in out
+
+
+def _run_steps(config, steps=2):
+    rt = loop.build(config)
+    state = loop.initial_state(rt)
+    it = config.data.make_iterator(model=config.model, process_index=0, process_count=1,
+                                   batch_size=config.train.batch_size, seed=config.train.seed)
+    with mesh_context(rt.mesh):
+        step = None
+        for _ in range(steps):
+            batch = global_batch(next(it), rt.mesh)
+            step = step or jit_train_step(make_train_step(rt.parts, rt.tx, rt.schedule, config.train, rt.mesh),
+                                          rt.shardings, batch, rt.mesh)
+            before = jax.device_get(state)  # the step donates its input
+            state, metrics = step(state, batch)
+    return rt, before, state, metrics
+
+
+def test_frozen_parameters_get_no_gradient_and_no_optimizer_state(tmp_path):
+    config = toy_config(tmp_path, mesh=MeshConfig(data=2, fsdp=4))
+    config = dataclasses.replace(config, optimizer=dataclasses.replace(
+        config.optimizer, freeze=(r"^blocks/", r"^time_"), frozen_dtype="bfloat16"))
+    rt = loop.build(config)
+    assert set(rt.abstract_state.params) == {"inp", "out"}
+    assert set(rt.abstract_state.frozen) == {"blocks", "time_proj", "time_out"}
+    mu_leaves = jax.tree.leaves(rt.abstract_state.opt_state[1][0].mu)
+    assert len(mu_leaves) == 4  # kernel and bias of inp and out only
+    assert rt.abstract_state.frozen["blocks"][0][0]["kernel"].dtype == np.dtype("bfloat16")
+    state = loop.initial_state(rt)
+    frozen_before = jax.device_get(state.frozen)
+    trainable_before = jax.device_get(state.params)
+    _, _, state, _ = _run_steps(config)
+    for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(jax.device_get(state.frozen))):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(trainable_before["out"]["kernel"], np.asarray(state.params["out"]["kernel"]))
+
+
+class _FixedDrawPolicy(ToyFlowPolicy):
+    """Flow-matching loss with fixed noise and time: the gradient is a function of the batch only."""
+
+    def loss(self, batch, rng, *, noise=None, time=None):
+        actions = batch["actions"]
+        return super().loss(batch, rng, noise=jnp.full_like(actions, 0.3), time=jnp.full(actions.shape[:1], 0.5))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FixedDrawConfig(ToyFlowConfig):
+    def make(self, rngs):
+        return _FixedDrawPolicy(self, rngs)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    base = dataclasses.replace(toy_config(tmp_path, mesh=MeshConfig(data=8)), model=_FixedDrawConfig(**vars(TOY)))
+    _, _, one, m1 = _run_steps(base, steps=2)
+    accum = dataclasses.replace(base, train=dataclasses.replace(base.train, grad_accum_steps=2))
+    _, _, two, m2 = _run_steps(accum, steps=2)
+    assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
+    assert float(m2["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=1e-4)
+    for a, b in zip(jax.tree.leaves(jax.device_get(one.params)), jax.tree.leaves(jax.device_get(two.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_schedules_and_decay_mask():
+    from embodied_jax.train.config import OptimizerConfig
+    from embodied_jax.train.optimizer import decay_mask, make_schedule
+
+    cosine = make_schedule(OptimizerConfig(lr=1.0, warmup_steps=10, end_lr_factor=0.1), total_steps=110)
+    assert float(cosine(0)) == 0.0 and float(cosine(5)) == pytest.approx(0.5)
+    assert float(cosine(10)) == pytest.approx(1.0)
+    assert float(cosine(60)) == pytest.approx(0.55, abs=1e-3)
+    assert float(cosine(110)) == pytest.approx(0.1)
+    constant = make_schedule(OptimizerConfig(lr=2.0, schedule="constant", warmup_steps=4), total_steps=100)
+    assert [float(constant(s)) for s in (0, 2, 4, 50)] == pytest.approx([0.0, 1.0, 2.0, 2.0])
+    params = {"layer": {"kernel": np.zeros((2, 2)), "bias": np.zeros(2)}, "norm": {"scale": np.zeros((2, 2))},
+              "embed": {"embedding": np.zeros((4, 2))}}
+    mask = decay_mask(OptimizerConfig(), params)
+    assert mask == {"layer": {"kernel": True, "bias": False}, "norm": {"scale": False}, "embed": {"embedding": False}}
+
+
+def test_ema_tracks_parameters(tmp_path):
+    config = toy_config(tmp_path, mesh=MeshConfig(data=8), ema_decay=0.5)
+    _, before, after, _ = _run_steps(config, steps=2)
+    expected = 0.5 * np.asarray(before.ema["out"]["kernel"]) + 0.5 * np.asarray(after.params["out"]["kernel"])
+    np.testing.assert_allclose(np.asarray(after.ema["out"]["kernel"]), expected, rtol=1e-6, atol=1e-7)

@@ -141,6 +141,13 @@ class _SignalFlag:
             signal.signal(sig, handler)
 
 
+def _stats_json(stats: Any) -> dict | None:
+    """Normalisation statistics of the data iterator as JSON (saved with every checkpoint)."""
+    if stats is None:
+        return None
+    return {key: value.to_json() if hasattr(value, "to_json") else value for key, value in stats.items()}
+
+
 @dataclasses.dataclass
 class RunResult:
     final_step: int
@@ -161,7 +168,7 @@ def train(config: ExperimentConfig) -> RunResult:
         model=config.model, process_index=jax.process_index(), process_count=jax.process_count(),
         batch_size=t.batch_size, seed=t.seed,
     )
-    norm_stats = getattr(data_it, "norm_stats", None)
+    norm_stats = _stats_json(getattr(data_it, "stats", None))
     ckpt = None
     restored_from = None
     if config.checkpoint.enabled:
@@ -232,5 +239,7 @@ def train(config: ExperimentConfig) -> RunResult:
             if ckpt is not None:
                 ckpt.close()
             writer.close()
+            if hasattr(data_it, "close"):
+                data_it.close()
     return RunResult(int(jax.device_get(state.step)), writer.history, workdir,
                      ckpt.directory if ckpt else None, restored_from)
