@@ -87,9 +87,10 @@ class ExperimentConfig:
 
 
 def to_dict(config: Any) -> Any:
-    """A JSON-friendly view of a (nested) config, with the class name of each dataclass."""
+    """A JSON view of a (nested) config; each dataclass records ``module:qualname`` so that
+    ``from_dict`` rebuilds the same objects (a checkpoint knows how to remake its model)."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        out = {"__class__": type(config).__qualname__}
+        out = {"__class__": f"{type(config).__module__}:{type(config).__qualname__}"}
         for f in dataclasses.fields(config):
             out[f.name] = to_dict(getattr(config, f.name))
         return out
@@ -100,3 +101,22 @@ def to_dict(config: Any) -> Any:
     if isinstance(config, (str, int, float, bool)) or config is None:
         return config
     return repr(config)
+
+
+def from_dict(payload: Any) -> Any:
+    """Inverse of ``to_dict``: dataclasses are re-created, JSON lists become tuples."""
+    import importlib
+
+    if isinstance(payload, dict) and "__class__" in payload:
+        module, _, qualname = payload["__class__"].partition(":")
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: from_dict(v) for k, v in payload.items() if k != "__class__" and k in fields}
+        return cls(**kwargs)
+    if isinstance(payload, list):
+        return tuple(from_dict(x) for x in payload)
+    if isinstance(payload, dict):
+        return {k: from_dict(v) for k, v in payload.items()}
+    return payload
