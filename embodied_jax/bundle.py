@@ -114,11 +114,13 @@ class PolicyBundle:
         return self.postprocess(actions, state.reshape(actions.shape[0], -1))
 
     # ------------------------------------------------------------------ in-jit form
-    def act_fn(self, instruction: str, camera_keys: dict[str, str] | None = None):
+    def act_fn(self, instruction: str, camera_keys: dict[str, str] | None = None, *, with_params: bool = False):
         """A jittable ``act(observation, rng)`` for ``sim.Evaluator``.
 
         ``observation`` = {"state": [B, S], "images": {camera: uint8 [B, H, W, 3]}, ...};
         camera ``c`` is the dataset key ``observation.images.c`` unless ``camera_keys`` says otherwise.
+        With ``with_params`` it returns ``(act(params, observation, rng), params)`` instead, so an
+        evaluator compiled once can be called again with new weights (in-training evaluation).
         """
         camera_keys = camera_keys or {}
 
@@ -134,17 +136,22 @@ class PolicyBundle:
         def host_post(actions, state):
             return self.postprocess(np.asarray(actions), np.asarray(state)).astype(np.float32)
 
-        def act(observation, rng):
+        def act_with(model, observation, rng):
             state, images = observation["state"], observation["images"]
             example = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), (state, images))
             spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_pre(*example))
             obs = jax.pure_callback(host_pre, spec, state, images)
-            actions = self.model.sample_actions(obs, rng)
+            actions = model.sample_actions(obs, rng)
             out_dim = self.action_dim or actions.shape[-1]
             out = jax.ShapeDtypeStruct((*actions.shape[:2], out_dim), jnp.float32)
             return jax.pure_callback(host_post, out, actions, state)
 
-        return act
+        if not with_params:
+            return lambda observation, rng: act_with(self.model, observation, rng)
+        from flax import nnx
+
+        graphdef, params = nnx.split(self.model)
+        return (lambda p, observation, rng: act_with(nnx.merge(graphdef, p), observation, rng)), params
 
 
 def load_policy(ckpt_dir: str | pathlib.Path, *, step: int | None = None, use_ema: bool = True) -> PolicyBundle:

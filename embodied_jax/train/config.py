@@ -79,7 +79,9 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     distributed: DistributedConfig = DistributedConfig()
-    evaluation: Any = None  # an object with ``evaluate(policy, step) -> dict`` (see sim/)
+    # In-training evaluation: ``evaluate(model, step, *, config, norm_stats) -> {name: value}``,
+    # called every ``train.eval_every`` steps (e.g. ``experiments.sim_eval.SimEvaluation``).
+    evaluation: Any = None
     workdir: str = "runs/experiment"
     init_from: str | None = None  # parameters from a converted checkpoint (models.convert)
     dry_run: bool = False  # eval_shape only: config, mesh, parameter counts, bytes per device

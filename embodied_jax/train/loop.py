@@ -223,7 +223,8 @@ def train(config: ExperimentConfig) -> RunResult:
                 done = step + 1
                 if config.evaluation is not None and t.eval_every and done % t.eval_every == 0:
                     model = rt.parts.merge(state.params, state.frozen, state.fp8, state.other)
-                    writer.write(done, {f"eval/{k}": v for k, v in config.evaluation.evaluate(model, done).items()})
+                    scores = config.evaluation.evaluate(model, done, config=config, norm_stats=norm_stats)
+                    writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
                 preempted = stop.signum is not None or (ckpt is not None and ckpt.reached_preemption(done))
                 if done % config.checkpoint.save_every == 0 or done == t.steps or preempted:
                     save(done, force=preempted or done == t.steps)

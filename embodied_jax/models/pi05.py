@@ -1,0 +1,386 @@
+"""π0.5 (openpi / LeRobot ``PI05Policy``) as a Flax NNX Policy, with prefix reuse and packing.
+
+Architecture: SigLIP tower + linear projector embed each camera image (not scaled); Gemma token
+embeddings of the prompt (which carries the discretised state, see ``pi05_inputs``) are scaled by
+√width; together they form the prefix, attended bidirectionally (block 0). The action suffix
+(``action_in_proj`` of the noisy actions, block 1) runs through the action expert, whose norms are
+AdaRMS conditioned on ``silu(time_mlp_out(silu(time_mlp_in(sincos(t)))))``; the VLM and the expert
+share one attention per layer (``gemma.MultiExpertGemma``). Positions count real tokens only.
+
+Flow matching exactly as upstream: t = 0.001 + 0.999·Beta(1.5, 1); x_t = t·noise + (1-t)·actions;
+target u = noise - actions; loss = mean of (v - u)² over real action dims (``action_dim_mask`` or
+the first ``action_dim``), horizon and samples. ``sample_actions`` integrates from t=1 (noise) to
+t=0 with ``num_steps`` Euler steps of dt = -1/num_steps: the prefix runs once into a per-layer KV
+cache, each step runs the suffix only, inside ``lax.fori_loop``.
+
+Beyond upstream:
+
+- ``flow_samples_per_obs`` K: the prefix never attends the suffix, so training runs the prefix
+  once and K (noise, time) draws per observation attend its cached keys/values (gradients reach
+  the prefix from all K). ``joint_forward=True`` runs upstream's single joint pass (K must be 1);
+  at K=1 both give the same loss.
+- Packing (``samples_per_row`` M > 1): a row carries up to M samples. The batch then has
+  ``token_segment_ids`` [R, L] and ``image_segment_ids`` {slot: [R]} (sample 1..M, 0 = empty),
+  ``actions`` [R, M, horizon, A] and optionally ``action_dim_mask`` [R, M, A]; suffix tokens of
+  sample m get segment m+1. Attention follows the segment rule, so samples never see each other
+  and padding/empty camera slots cost no attention work on the fused backends. Unpacked batches
+  (the Observation contract) are the M = 1 case: ``token_mask``, ``image_masks``, ``actions``
+  [B, horizon, A].
+
+Explicit ``noise``/``time`` may be given in the shapes [R, (K,) (M,) horizon, A] / [R, (K,) (M,)]
+(K and M axes present only when > 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
+from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
+from embodied_jax.nn.dense import Dense
+from embodied_jax.nn.lora import LoRAConfig
+
+GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256)
+GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256,
+                         use_adarms=True)
+SIGLIP_SO400M = SiglipConfig(width=1152, depth=27, num_heads=16, mlp_dim=4304, patch_size=14, image_size=224)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pi05Config:
+    """π0.5 sizes and training options; defaults are the published π0.5 (``lerobot/pi05_base``)."""
+
+    vision: SiglipConfig = SIGLIP_SO400M
+    vlm: GemmaConfig = GEMMA_2B
+    expert: GemmaConfig = GEMMA_300M
+    vocab_size: int = 257_152
+    camera_names: tuple[str, ...] = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+    max_token_len: int = 200
+    action_horizon: int = 50
+    max_action_dim: int = 32
+    action_dim: int = 32  # real action dims (loss mask) when the batch has no action_dim_mask
+    max_state_dim: int = 32
+    num_inference_steps: int = 10
+    flow_samples_per_obs: int = 1
+    samples_per_row: int = 1
+    joint_forward: bool = False
+    time_beta: tuple[float, float] = (1.5, 1.0)
+    time_scale: float = 0.999
+    time_offset: float = 0.001
+    min_period: float = 4e-3
+    max_period: float = 4.0
+    dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
+    param_dtype: str = "float32"
+    attention_impl: str = "auto"
+    scan_layers: bool = True
+    remat_policy: str = "none"
+    fp8: str = "none"
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    synthetic_prompt_len: int = 0  # real prompt tokens per synthetic sample (0: a quarter of max_token_len)
+
+    def __post_init__(self):
+        if not self.expert.use_adarms:
+            raise ValueError("Pi05Config.expert.use_adarms must be True (π0.5 conditions the expert on time)")
+        if (self.expert.cond_dim or self.expert.width) != self.expert.width:
+            raise ValueError("Pi05Config.expert.cond_dim must equal expert.width (the time MLP width)")
+        if self.joint_forward and self.flow_samples_per_obs != 1:
+            raise ValueError("Pi05Config: joint_forward=True needs flow_samples_per_obs=1")
+        if self.flow_samples_per_obs < 1 or self.samples_per_row < 1:
+            raise ValueError("Pi05Config: flow_samples_per_obs and samples_per_row must be >= 1")
+        if not 0 < self.action_dim <= self.max_action_dim:
+            raise ValueError(f"Pi05Config: action_dim {self.action_dim} must be in 1..max_action_dim")
+
+    def make(self, rngs: nnx.Rngs) -> "Pi05Policy":
+        return Pi05Policy(self, rngs=rngs)
+
+    def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
+        from embodied_jax.models.pi05_inputs import synthetic_pi05_batch
+
+        return synthetic_pi05_batch(self, batch_size, seed)
+
+
+def _split_f32(x: np.ndarray):
+    """float64 constants -> (hi, lo) float32 with hi + lo ≈ x to ~1e-14 relative."""
+    hi = x.astype(np.float32)
+    return hi, (x - hi.astype(np.float64)).astype(np.float32)
+
+
+def time_embedding(t, dim: int, *, min_period: float, max_period: float):
+    """openpi's sin/cos time embedding, accurate to float32 rounding of its *result*.
+
+    Upstream (LeRobot/openpi PyTorch) computes ``t · 2π / period`` in float64; with
+    ``min_period = 4e-3`` the angle reaches ~1.6e3 rad, where a float32 product is off by ~1e-4.
+    Here the angle is reduced modulo one turn before the trigonometry: the frequency
+    ``1 / period`` is a float64 constant split into two float32 parts and the product ``t · f_hi``
+    is made exact with Dekker's two-product, so ``frac(t · f)`` keeps full float32 precision.
+    """
+    if dim % 2:
+        raise ValueError(f"time_embedding: dim must be even, got {dim}")
+    fraction = np.linspace(0.0, 1.0, dim // 2)
+    freq_hi, freq_lo = _split_f32(1.0 / (min_period * (max_period / min_period) ** fraction))
+    t = jnp.asarray(t, jnp.float32)[..., None]
+    prod = t * freq_hi
+    splitter = jnp.float32(4097.0)  # Veltkamp split of float32 operands into 12-bit halves
+    def split(a):
+        c = splitter * a
+        high = c - (c - a)
+        return high, a - high
+    t_hi, t_lo = split(t)
+    f_hi, f_lo = split(jnp.asarray(freq_hi))
+    err = ((t_hi * f_hi - prod) + t_hi * f_lo + t_lo * f_hi) + t_lo * f_lo
+    turns = (prod - jnp.round(prod)) + (err + t * freq_lo)
+    angle = (2.0 * np.pi) * turns
+    return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
+
+
+def segment_positions(segment_ids, num_segments: int):
+    """Position of each token among the earlier tokens of its segment (any order), 0 for padding."""
+    positions = jnp.zeros_like(segment_ids)
+    for m in range(1, num_segments + 1):
+        member = segment_ids == m
+        positions = jnp.where(member, jnp.cumsum(member, axis=1, dtype=jnp.int32) - 1, positions)
+    return positions
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """A batch in the general (packed) form; M = 1 for unpacked batches."""
+
+    images: jax.Array  # [R, C, H, W, 3]
+    image_segments: jax.Array  # int32 [R, C]
+    tokens: jax.Array  # int32 [R, L]
+    token_segments: jax.Array  # int32 [R, L]
+    samples_per_row: int
+    actions: jax.Array | None = None  # [R, M, horizon, A]
+    dim_mask: jax.Array | None = None  # bool [R, M, A]
+
+
+class Pi05Policy(nnx.Module):
+    """π0.5 flow-matching policy (see module docstring)."""
+
+    def __init__(self, config: Pi05Config, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+        lora = LoRAConfig(config.lora_rank, config.lora_alpha) if config.lora_rank else None
+        common = dict(dtype=dtype, param_dtype=param_dtype, fp8=config.fp8)
+        self.vision_tower = SiglipVisionModel(config.vision, attention_impl=config.attention_impl,
+                                              scan_layers=config.scan_layers, remat_policy=config.remat_policy,
+                                              rngs=rngs, **common)
+        self.multi_modal_projector = Dense(config.vision.width, config.vlm.width, axes=("embed", "mlp"),
+                                           rngs=rngs, **common)
+        self.llm = MultiExpertGemma((config.vlm, config.expert), vocab_size=config.vocab_size,
+                                    attention_impl=config.attention_impl, scan_layers=config.scan_layers,
+                                    remat_policy=config.remat_policy, lora=lora, rngs=rngs, **common)
+        width = config.expert.width
+        self.action_in_proj = Dense(config.max_action_dim, width, axes=("channels", "embed"), rngs=rngs, **common)
+        self.time_mlp_in = Dense(width, width, axes=("embed", "mlp"), rngs=rngs, **common)
+        self.time_mlp_out = Dense(width, width, axes=("mlp", "embed"), rngs=rngs, **common)
+        self.action_out_proj = Dense(width, config.max_action_dim, axes=("embed", "channels"), rngs=rngs,
+                                     dtype=jnp.float32, param_dtype=param_dtype, fp8=config.fp8)
+
+    # ------------------------------------------------------------------ inputs
+
+    def _inputs(self, batch) -> _Inputs:
+        cfg = self.config
+        missing = [c for c in cfg.camera_names if c not in batch["images"]]
+        if missing:
+            raise KeyError(f"π0.5: batch['images'] lacks camera slots {missing} (config.camera_names "
+                           f"{cfg.camera_names})")
+        images = jnp.stack([jnp.asarray(batch["images"][c]) for c in cfg.camera_names], axis=1)
+        rows = images.shape[0]
+        packed = "token_segment_ids" in batch
+        if packed:
+            token_segments = jnp.asarray(batch["token_segment_ids"], jnp.int32)
+            image_segments = jnp.stack([jnp.asarray(batch["image_segment_ids"][c], jnp.int32)
+                                        for c in cfg.camera_names], axis=1)
+            m = cfg.samples_per_row
+        else:
+            token_segments = jnp.asarray(batch["token_mask"]).astype(jnp.int32)
+            masks = batch.get("image_masks") or {}
+            image_segments = jnp.stack([jnp.asarray(masks.get(c, np.ones((rows,), bool))).astype(jnp.int32)
+                                        for c in cfg.camera_names], axis=1)
+            m = 1
+        inputs = _Inputs(images, image_segments, jnp.asarray(batch["tokens"], jnp.int32), token_segments, m)
+        if "actions" in batch:
+            actions = jnp.asarray(batch["actions"], jnp.float32)
+            inputs.actions = actions.reshape(rows, m, cfg.action_horizon, cfg.max_action_dim)
+            if "action_dim_mask" in batch:
+                mask = jnp.asarray(batch["action_dim_mask"], bool).reshape(rows, m, cfg.max_action_dim)
+            else:
+                mask = jnp.broadcast_to(jnp.arange(cfg.max_action_dim) < cfg.action_dim, (rows, m, cfg.max_action_dim))
+            inputs.dim_mask = mask
+        return inputs
+
+    def embed_prefix(self, inputs: _Inputs):
+        """Prefix embeddings [R, S, D] and segment ids [R, S], each sample's tokens contiguous.
+
+        Tokens are gathered per row into segment order (sample 1's images then text, sample 2's,
+        ..., padding last); attention is permutation-equivariant given segment ids and positions,
+        so this changes no number but lets fused varlen kernels skip padding and empty slots.
+        """
+        r, c, h, w, ch = inputs.images.shape
+        feats = self.vision_tower(inputs.images.reshape(r * c, h, w, ch))
+        feats = self.multi_modal_projector(feats)
+        n = feats.shape[1]
+        feats = feats.reshape(r, c * n, feats.shape[-1])
+        text = self.llm.embed(inputs.tokens).astype(feats.dtype)
+        x = jnp.concatenate([feats, text], axis=1)
+        segments = jnp.concatenate([jnp.repeat(inputs.image_segments, n, axis=1), inputs.token_segments], axis=1)
+        sort_key = jnp.where(segments == 0, inputs.samples_per_row + 1, segments)
+        order = jnp.argsort(sort_key, axis=1, stable=True)
+        x = jnp.take_along_axis(x, order[..., None], axis=1)
+        return x, jnp.take_along_axis(segments, order, axis=1)
+
+    def embed_suffix(self, x_t, time):
+        """x_t [B, M, horizon, A], time [B, M] -> suffix tokens [B, M*horizon, De], conditioning [B, M, De]."""
+        width = self.config.expert.width
+        tokens = self.action_in_proj(x_t)
+        b, m, hzn, _ = tokens.shape
+        t_emb = time_embedding(time, width, min_period=self.config.min_period, max_period=self.config.max_period)
+        cond = jax.nn.silu(self.time_mlp_out(jax.nn.silu(self.time_mlp_in(t_emb))))
+        return tokens.reshape(b, m * hzn, width), cond
+
+    def _suffix_layout(self, prefix_segments, prefix_lengths, m):
+        """Suffix segment/block/positions for M samples of ``horizon`` tokens each."""
+        hzn = self.config.action_horizon
+        ids = jnp.arange(1, m + 1, dtype=jnp.int32)
+        present = prefix_lengths > 0  # [B, M]
+        seg = jnp.repeat(jnp.where(present, ids[None], 0), hzn, axis=1)
+        pos = (prefix_lengths[:, :, None] + jnp.arange(hzn, dtype=jnp.int32)).reshape(prefix_segments.shape[0], -1)
+        return TokenLayout(seg, jnp.ones_like(seg), pos)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _velocity(self, v_out, shape):
+        """Expert output [B, M*horizon, De] -> velocity float32 [B, M, horizon, A]."""
+        return self.action_out_proj(v_out.astype(jnp.float32).reshape(*shape[:3], -1))
+
+    def prefix_cache(self, inputs: _Inputs):
+        """Run the prefix alone: per-layer (k, v) and its ids, plus per-sample prefix lengths [R, M]."""
+        x, seg = self.embed_prefix(inputs)
+        m = inputs.samples_per_row
+        layout = TokenLayout(seg, None, segment_positions(seg, m), max_segments=m)
+        _, kv = self.llm((x, None), layout, return_kv=True)
+        lengths = jnp.stack([(seg == i).sum(axis=1, dtype=jnp.int32) for i in range(1, m + 1)], axis=1)
+        return kv, (seg, jnp.zeros_like(seg)), lengths
+
+    def suffix_velocity(self, cache, x_t, time):
+        """Velocity [B', M, horizon, A] of x_t [B', M, horizon, A] at time [B', M] against a prefix cache.
+
+        B' may be a multiple k·B of the cached batch: row i uses cached row i // k.
+        """
+        kv, ids, lengths = cache
+        repeat = x_t.shape[0] // lengths.shape[0]
+        if repeat > 1:
+            kv = jax.tree.map(lambda a: jnp.repeat(a, repeat, axis=1), kv)
+            ids = jax.tree.map(lambda a: jnp.repeat(a, repeat, axis=0), ids)
+            lengths = jnp.repeat(lengths, repeat, axis=0)
+        suffix, cond = self.embed_suffix(x_t, time)
+        layout = self._suffix_layout(ids[0], lengths, x_t.shape[1])
+        (_, out), _ = self.llm((None, suffix), layout, (None, cond), cache=(kv, ids))
+        return self._velocity(out, x_t.shape)
+
+    def joint_velocity(self, inputs: _Inputs, x_t, time):
+        """Upstream's single pass over [prefix, suffix] (x_t [R, M, horizon, A], time [R, M])."""
+        m = inputs.samples_per_row
+        prefix, seg = self.embed_prefix(inputs)
+        lengths = jnp.stack([(seg == i).sum(axis=1, dtype=jnp.int32) for i in range(1, m + 1)], axis=1)
+        suffix, cond = self.embed_suffix(x_t, time)
+        sl = self._suffix_layout(seg, lengths, m)
+        layout = TokenLayout(
+            jnp.concatenate([seg, sl.segment_ids], axis=1),
+            jnp.concatenate([jnp.zeros_like(seg), sl.block_ids], axis=1),
+            jnp.concatenate([segment_positions(seg, m), sl.positions], axis=1),
+        )
+        (_, out), _ = self.llm((prefix, suffix), layout, (None, cond))
+        return self._velocity(out, x_t.shape)
+
+    def velocity(self, observation, x_t, time, *, cached: bool = True):
+        """Velocity for an unpacked observation, x_t [B, horizon, A], time [B] (parity checks)."""
+        inputs = self._inputs(observation)
+        b = x_t.shape[0]
+        x_t = jnp.asarray(x_t, jnp.float32).reshape(b, 1, *x_t.shape[1:])
+        time = jnp.asarray(time, jnp.float32).reshape(b, 1)
+        if cached:
+            v = self.suffix_velocity(self.prefix_cache(inputs), x_t, time)
+        else:
+            v = self.joint_velocity(inputs, x_t, time)
+        return v[:, 0]
+
+    # ------------------------------------------------------------------ Policy contract
+
+    def loss_terms(self, batch, rng, *, noise=None, time=None):
+        """(loss, per-sample loss [R, M] averaged over the K draws, sample presence [R, M], metrics)."""
+        cfg = self.config
+        inputs = self._inputs(batch)
+        if inputs.actions is None:
+            raise KeyError("π0.5 loss: batch has no 'actions'")
+        r, m = inputs.actions.shape[:2]
+        k = cfg.flow_samples_per_obs
+        hzn, adim = cfg.action_horizon, cfg.max_action_dim
+        noise_rng, time_rng = jax.random.split(rng)
+        if noise is None:
+            noise = jax.random.normal(noise_rng, (r, k, m, hzn, adim), jnp.float32)
+        if time is None:
+            alpha, beta = cfg.time_beta
+            time = cfg.time_offset + cfg.time_scale * jax.random.beta(time_rng, alpha, beta, (r, k, m), jnp.float32)
+        noise = jnp.asarray(noise, jnp.float32).reshape(r, k, m, hzn, adim)
+        time = jnp.asarray(time, jnp.float32).reshape(r, k, m)
+        actions = inputs.actions[:, None]
+        t = time[..., None, None]
+        x_t = t * noise + (1.0 - t) * actions
+        target = noise - actions
+        if cfg.joint_forward:
+            v = self.joint_velocity(inputs, x_t[:, 0], time[:, 0])[:, None]
+        else:
+            cache = self.prefix_cache(inputs)
+            v = self.suffix_velocity(cache, x_t.reshape(r * k, m, hzn, adim), time.reshape(r * k, m))
+            v = v.reshape(r, k, m, hzn, adim)
+        present = jnp.stack([(inputs.token_segments == i).any(axis=1) | (inputs.image_segments == i).any(axis=1)
+                             for i in range(1, m + 1)], axis=1)  # [R, M]
+        mask = (inputs.dim_mask[:, None, :, None, :] & present[:, None, :, None, None]).astype(jnp.float32)
+        mask = jnp.broadcast_to(mask, v.shape)
+        sq = jnp.square(v - target) * mask
+        loss = sq.sum() / jnp.maximum(mask.sum(), 1.0)
+        per_sample = (sq.sum(axis=(3, 4)) / jnp.maximum(mask.sum(axis=(3, 4)), 1.0)).mean(axis=1)
+        real_tokens = (inputs.token_segments > 0).sum() + (inputs.image_segments > 0).sum() * cfg.vision.num_patches
+        metrics = {
+            "loss": loss,
+            "tokens": real_tokens + present.sum() * k * hzn,
+            "time_mean": time.mean(),
+        }
+        return loss, per_sample, present, metrics
+
+    def loss(self, batch, rng, *, noise=None, time=None):
+        loss, _, _, metrics = self.loss_terms(batch, rng, noise=noise, time=time)
+        return loss, metrics
+
+    def sample_actions(self, observation, rng, *, num_steps=None, noise=None):
+        """Actions [B, horizon, action_dim] for an unpacked observation: Euler from t=1 to t=0."""
+        cfg = self.config
+        num_steps = int(num_steps or cfg.num_inference_steps)
+        inputs = self._inputs({k: v for k, v in observation.items() if k != "actions"})
+        b = inputs.tokens.shape[0]
+        shape = (b, 1, cfg.action_horizon, cfg.max_action_dim)
+        x = jax.random.normal(rng, shape, jnp.float32) if noise is None else jnp.asarray(noise, jnp.float32)
+        x = x.reshape(shape)
+        cache = self.prefix_cache(inputs)
+        dt = -1.0 / num_steps
+        # The loop body rebuilds the module from its state: NNX modules may not cross a raw jax trace.
+        graphdef, state = nnx.split(self)
+
+        # Step times as upstream computes them: in float64, then rounded once to float32.
+        times = jnp.asarray((1.0 + np.arange(num_steps) * dt).astype(np.float32))
+
+        def step(i, x):
+            t = jnp.full((b, 1), times[i], jnp.float32)
+            return x + dt * nnx.merge(graphdef, state, copy=True).suffix_velocity(cache, x, t)
+
+        x = jax.lax.fori_loop(0, num_steps, step, x)
+        return x[:, 0, :, : cfg.action_dim]

@@ -1,0 +1,269 @@
+"""π0.5 input builder: one raw sample -> the model's observation/action arrays (NumPy).
+
+Follows openpi/LeRobot's π0.5 preprocessing:
+
+- the state (already normalised to [-1, 1] by the data layer's quantile normaliser) is
+  zero-padded to ``max_state_dim`` and discretised into 256 bins with
+  ``np.digitize(state, np.linspace(-1, 1, 257)[:-1]) - 1`` (values below -1 give -1, as upstream);
+- the prompt is ``f"Task: {task}, State: {bins};\\nAction: "`` where the task is stripped and has
+  ``_`` and newlines replaced by spaces, tokenised with BOS, truncated and right-padded to
+  ``max_token_len`` (``token_mask`` marks real tokens);
+- images are float32 in [-1, 1], resized with padding to ``image_size`` when needed; a camera
+  slot missing from the sample is filled with -1 and masked out;
+- actions are zero-padded to ``max_action_dim``; ``action_dim_mask`` marks the real dimensions.
+
+The builder is a plain callable on one unbatched sample so the data pipeline can map it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from embodied_jax.models.tokenizer import load_tokenizer
+
+
+def discretize_state(state: np.ndarray, max_state_dim: int = 32, num_bins: int = 256) -> np.ndarray:
+    """Zero-pad the normalised state to ``max_state_dim`` and map it to bins 0..num_bins-1 (upstream rule)."""
+    state = np.asarray(state, np.float32).reshape(-1)
+    if state.shape[0] > max_state_dim:
+        raise ValueError(f"state has {state.shape[0]} dims, more than max_state_dim={max_state_dim}")
+    state = np.pad(state, (0, max_state_dim - state.shape[0]))
+    edges = np.linspace(-1.0, 1.0, num_bins + 1)[:-1]
+    return (np.digitize(state, bins=edges) - 1).astype(np.int64)
+
+
+def clean_task(task: str) -> str:
+    return task.strip().replace("_", " ").replace("\n", " ")
+
+
+def build_prompt(task: str, state_bins: np.ndarray) -> str:
+    """The π0.5 prompt with discrete state tokens."""
+    state_str = " ".join(map(str, np.asarray(state_bins).tolist()))
+    return f"Task: {clean_task(task)}, State: {state_str};\nAction: "
+
+
+def tokenize_prompt(tokenizer, prompt: str, max_token_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """BOS + prompt, truncated to and right-padded to ``max_token_len``: (tokens int32, mask bool)."""
+    ids = tokenizer.encode(prompt, add_bos=True)[:max_token_len]
+    tokens = np.full((max_token_len,), tokenizer.pad_id, np.int32)
+    tokens[: len(ids)] = ids
+    mask = np.zeros((max_token_len,), bool)
+    mask[: len(ids)] = True
+    return tokens, mask
+
+
+def resize_with_pad(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Resize an [H, W, 3] float image in [-1, 1] keeping aspect ratio, pad with -1 (upstream rule)."""
+    from PIL import Image
+
+    height, width = size
+    cur_h, cur_w = image.shape[:2]
+    if (cur_h, cur_w) == (height, width):
+        return image
+    ratio = max(cur_w / width, cur_h / height)
+    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
+    channels = [
+        np.asarray(Image.fromarray(image[..., c].astype(np.float32), mode="F").resize((new_w, new_h), Image.BILINEAR))
+        for c in range(image.shape[-1])
+    ]
+    resized = np.clip(np.stack(channels, axis=-1), -1.0, 1.0)
+    out = np.full((height, width, image.shape[-1]), -1.0, np.float32)
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    out[top : top + new_h, left : left + new_w] = resized
+    return out
+
+
+def to_unit_range(image: np.ndarray) -> np.ndarray:
+    """uint8 [0, 255] or float [0, 1] -> float32 [-1, 1]; float input outside [0, 1] is taken as already in [-1, 1]."""
+    image = np.asarray(image)
+    if image.dtype == np.uint8:
+        return image.astype(np.float32) / 127.5 - 1.0
+    image = image.astype(np.float32)
+    if image.min(initial=0.0) >= 0.0 and image.max(initial=0.0) <= 1.0:
+        return image * 2.0 - 1.0
+    return image
+
+
+@dataclasses.dataclass(frozen=True)
+class Pi05InputBuilder:
+    """Callable mapping one sample {"task", "state", "images": {cam: [H, W, 3]}, "actions"?} to model inputs."""
+
+    tokenizer_path: str | os.PathLike
+    camera_names: tuple[str, ...] = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+    image_size: tuple[int, int] = (224, 224)
+    max_token_len: int = 200
+    max_state_dim: int = 32
+    max_action_dim: int = 32
+    state_bins: int = 256
+
+    def __post_init__(self):
+        object.__setattr__(self, "_tokenizer", load_tokenizer(self.tokenizer_path))
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        for key in ("task", "state"):
+            if key not in sample:
+                raise KeyError(f"π0.5 input builder: sample has no {key!r} (keys: {sorted(sample)})")
+        state = np.asarray(sample["state"], np.float32)
+        bins = discretize_state(state, self.max_state_dim, self.state_bins)
+        tokens, token_mask = tokenize_prompt(self._tokenizer, build_prompt(sample["task"], bins), self.max_token_len)
+        given = sample.get("images", {})
+        unknown = set(given) - set(self.camera_names)
+        if unknown:
+            raise KeyError(f"π0.5 input builder: cameras {sorted(unknown)} not in camera_names {self.camera_names}")
+        images, masks = {}, {}
+        for cam in self.camera_names:
+            if cam in given:
+                images[cam] = resize_with_pad(to_unit_range(given[cam]), self.image_size)
+                masks[cam] = np.bool_(True)
+            else:
+                images[cam] = np.full((*self.image_size, 3), -1.0, np.float32)
+                masks[cam] = np.bool_(False)
+        out = {
+            "images": images,
+            "image_masks": masks,
+            "state": np.pad(state, (0, self.max_state_dim - state.shape[0])),
+            "tokens": tokens,
+            "token_mask": token_mask,
+        }
+        if "actions" in sample:
+            actions = np.asarray(sample["actions"], np.float32)
+            if actions.ndim != 2 or actions.shape[1] > self.max_action_dim:
+                raise ValueError(
+                    f"π0.5 input builder: actions must be [horizon, <= {self.max_action_dim}], got {actions.shape}"
+                )
+            out["actions"] = np.pad(actions, ((0, 0), (0, self.max_action_dim - actions.shape[1])))
+            out["action_dim_mask"] = np.arange(self.max_action_dim) < actions.shape[1]
+        return out
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack_rows(samples: list[dict[str, Any]], *, camera_slots: tuple[str, ...], max_token_len: int,
+              samples_per_row: int) -> list[dict[str, Any]]:
+    """Greedily pack unpacked samples (builder outputs) into rows of the packed π0.5 layout.
+
+    A row holds at most ``samples_per_row`` samples, ``len(camera_slots)`` valid images and
+    ``max_token_len`` real prompt tokens; samples keep their order. Each sample's valid images
+    take consecutive free slots in camera order and its prompt tokens a contiguous run, so
+    per-sample positions match the unpacked sample's. Returns one dict per row with
+    ``images``/``image_segment_ids`` per slot, ``tokens``/``token_segment_ids`` [L],
+    ``actions`` [M, horizon, A] and, when the samples carry one, ``action_dim_mask`` [M, A].
+    """
+    rows: list[dict[str, Any]] = []
+    current: list[dict[str, Any]] = []
+
+    def cost(sample):
+        cams = [c for c, ok in sample["image_masks"].items() if ok]
+        return len(cams), int(np.asarray(sample["token_mask"]).sum())
+
+    def fits(group, sample):
+        if len(group) >= samples_per_row:
+            return False
+        imgs = sum(cost(s)[0] for s in group) + cost(sample)[0]
+        toks = sum(cost(s)[1] for s in group) + cost(sample)[1]
+        return imgs <= len(camera_slots) and toks <= max_token_len
+
+    for sample in samples:
+        n_img, n_tok = cost(sample)
+        if n_img > len(camera_slots) or n_tok > max_token_len:
+            raise ValueError(f"pack_rows: a sample with {n_img} images and {n_tok} tokens exceeds one row")
+        if current and not fits(current, sample):
+            rows.append(_pack_group(current, camera_slots, max_token_len, samples_per_row))
+            current = []
+        current.append(sample)
+    if current:
+        rows.append(_pack_group(current, camera_slots, max_token_len, samples_per_row))
+    return rows
+
+
+def _pack_group(group, camera_slots, max_token_len, samples_per_row):
+    first = group[0]
+    image_shape = next(iter(first["images"].values())).shape
+    images = {s: np.full(image_shape, -1.0, np.float32) for s in camera_slots}
+    image_segs = {s: np.int32(0) for s in camera_slots}
+    tokens = np.zeros((max_token_len,), np.int32)
+    token_segs = np.zeros((max_token_len,), np.int32)
+    actions = np.zeros((samples_per_row, *np.shape(first["actions"])), np.float32)
+    dim_mask = np.zeros((samples_per_row, np.shape(first["actions"])[-1]), bool)
+    slot, cursor = 0, 0
+    for i, sample in enumerate(group, start=1):
+        for cam, ok in sample["image_masks"].items():
+            if ok:
+                images[camera_slots[slot]] = sample["images"][cam]
+                image_segs[camera_slots[slot]] = np.int32(i)
+                slot += 1
+        mask = np.asarray(sample["token_mask"], bool)
+        n = int(mask.sum())
+        tokens[cursor:cursor + n] = np.asarray(sample["tokens"])[mask]
+        token_segs[cursor:cursor + n] = i
+        cursor += n
+        actions[i - 1] = sample["actions"]
+        if "action_dim_mask" in sample:
+            dim_mask[i - 1] = sample["action_dim_mask"]
+    row = {"images": images, "image_segment_ids": image_segs, "tokens": tokens, "token_segment_ids": token_segs,
+           "actions": actions}
+    if all("action_dim_mask" in s for s in group):  # else the model's config.action_dim applies
+        row["action_dim_mask"] = dim_mask
+    return row
+
+
+def stack_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack per-row dicts (nested one level for per-camera dicts) into a batch."""
+    out = {}
+    for key, value in rows[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: np.stack([r[key][k] for r in rows]) for k in value}
+        else:
+            out[key] = np.stack([r[key] for r in rows])
+    return out
+
+
+# ----------------------------------------------------------------------------- synthetic data
+
+
+def synthetic_samples(config, count: int, seed: int = 0, prompt_lengths=None) -> list[dict[str, Any]]:
+    """Unpacked random samples of ``config``'s shapes (2 of the camera slots filled when there are 3+)."""
+    rng = np.random.default_rng(seed)
+    size = config.vision.image_size
+    default_len = config.synthetic_prompt_len or max(1, config.max_token_len // 4)
+    samples = []
+    for i in range(count):
+        n = int(prompt_lengths[i]) if prompt_lengths is not None else default_len
+        tokens = np.zeros((config.max_token_len,), np.int32)
+        tokens[:n] = rng.integers(1, config.vocab_size, n)
+        samples.append({
+            "images": {c: rng.uniform(-1, 1, (size, size, 3)).astype(np.float32) for c in config.camera_names},
+            "image_masks": {c: np.bool_(j < 2 or len(config.camera_names) < 3)
+                            for j, c in enumerate(config.camera_names)},
+            "state": rng.uniform(-1, 1, (config.max_state_dim,)).astype(np.float32),
+            "tokens": tokens,
+            "token_mask": np.arange(config.max_token_len) < n,
+            "actions": rng.normal(size=(config.action_horizon, config.max_action_dim)).astype(np.float32),
+        })
+    return samples
+
+
+def synthetic_pi05_batch(config, batch_size: int, seed: int = 0) -> dict[str, Any]:
+    """A training batch of ``config``'s exact shapes: unpacked, or ``batch_size`` packed rows of M samples."""
+    m = config.samples_per_row
+    if m == 1:
+        return stack_rows(synthetic_samples(config, batch_size, seed))
+    per_sample_len = max(1, config.max_token_len // m)
+    samples = synthetic_samples(config, batch_size * m, seed, prompt_lengths=[per_sample_len] * (batch_size * m))
+    slots = config.camera_names
+    rows = []
+    for r in range(batch_size):
+        group = samples[r * m:(r + 1) * m]
+        per = max(1, len(slots) // m)
+        for s in group:  # each sample keeps at most its share of the slots
+            s["image_masks"] = {c: np.bool_(j < per) for j, c in enumerate(slots)}
+        rows.append(_pack_group(group, slots, config.max_token_len, m))
+    return stack_rows(rows)

@@ -1,0 +1,1 @@
+"""Importers/exporters between upstream checkpoints (safetensors) and our parameter trees."""

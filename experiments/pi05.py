@@ -1,0 +1,95 @@
+"""π0.5 experiments: full size, the CPU benchmark model (issue spec) and a tiny one for tests/demo.
+
+``pi05_model()``, ``bench_model()`` and ``tiny_model()`` return the model configs alone
+(benchmarks and tests use them); the registered experiments wrap them with training settings.
+Optimiser defaults follow LeRobot's π0.5 finetune: AdamW lr 2.5e-5, betas (0.9, 0.95),
+eps 1e-8, weight decay 0.01, clip norm 1, 1k warmup then cosine to 2.5e-6 over 30k steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from embodied_jax.models.gemma import GemmaConfig
+from embodied_jax.models.pi05 import Pi05Config
+from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.parallel.mesh import MeshConfig
+from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
+from experiments.registry import register
+
+_UPSTREAM_OPT = dict(lr=2.5e-5, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
+                     schedule="warmup_cosine", end_lr_factor=0.1)
+
+
+def pi05_model() -> Pi05Config:
+    """The published π0.5 (3,353,433,872 parameters): float32 master weights, bfloat16 compute."""
+    return Pi05Config(dtype="bfloat16", remat_policy="dots_saveable")
+
+
+def bench_model() -> Pi05Config:
+    """The issue's CPU benchmark sizes, float32 throughout."""
+    return Pi05Config(
+        vision=SiglipConfig(width=256, depth=4, num_heads=4, mlp_dim=1024, patch_size=14, image_size=224),
+        vlm=GemmaConfig(width=512, depth=4, mlp_dim=2048, num_heads=8, num_kv_heads=1, head_dim=64),
+        expert=GemmaConfig(width=256, depth=4, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=64,
+                           use_adarms=True),
+        vocab_size=1024, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=48,
+        action_horizon=50, max_action_dim=32, action_dim=32, synthetic_prompt_len=24, dtype="float32",
+    )
+
+
+def tiny_model() -> Pi05Config:
+    """A few-hundred-thousand-parameter π0.5 for tests and the demo (seconds per step on a CPU)."""
+    return Pi05Config(
+        vision=SiglipConfig(width=32, depth=2, num_heads=2, mlp_dim=64, patch_size=8, image_size=32),
+        vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
+        expert=GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16,
+                           use_adarms=True),
+        vocab_size=1024, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=64,
+        action_horizon=8, max_action_dim=8, action_dim=8, max_state_dim=8, synthetic_prompt_len=24,
+        num_inference_steps=5, dtype="float32",
+    )
+
+
+@register("pi05", "π0.5 at full size (3.35B, bf16 compute, FSDP); start from weights with --init-from")
+def pi05() -> ExperimentConfig:
+    steps = 30_000
+    return ExperimentConfig(
+        name="pi05",
+        model=pi05_model(),
+        train=TrainConfig(steps=steps, batch_size=32, log_every=10),
+        optimizer=OptimizerConfig(**_UPSTREAM_OPT, warmup_steps=1_000, decay_steps=steps),
+        mesh=MeshConfig(data=1, fsdp=-1),
+        checkpoint=CheckpointConfig(save_every=1_000, keep_last=3),
+        workdir="runs/pi05",
+    )
+
+
+@register("pi05_bench", "small π0.5 for CPU benchmarks (issue spec: 2 cameras at 224², horizon 50, batch 4)")
+def pi05_bench() -> ExperimentConfig:
+    return ExperimentConfig(
+        name="pi05_bench",
+        model=bench_model(),
+        train=TrainConfig(steps=50, batch_size=4, log_every=5),
+        optimizer=OptimizerConfig(**dict(_UPSTREAM_OPT, lr=1e-4), warmup_steps=5),
+        mesh=MeshConfig(data=-1),
+        checkpoint=CheckpointConfig(enabled=False),
+        workdir="runs/pi05_bench",
+    )
+
+
+@register("pi05_tiny", "tiny π0.5 on synthetic data (tests, demo)")
+def pi05_tiny() -> ExperimentConfig:
+    return ExperimentConfig(
+        name="pi05_tiny",
+        model=tiny_model(),
+        train=TrainConfig(steps=100, batch_size=8, log_every=10),
+        optimizer=OptimizerConfig(**dict(_UPSTREAM_OPT, lr=1e-3), warmup_steps=10),
+        mesh=MeshConfig(data=-1),
+        checkpoint=CheckpointConfig(save_every=50, keep_last=1),
+        workdir="runs/pi05_tiny",
+    )
+
+
+def with_model(experiment: ExperimentConfig, **model_overrides) -> ExperimentConfig:
+    """The experiment with some model fields replaced (benchmark variants)."""
+    return dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, **model_overrides))

@@ -1,0 +1,51 @@
+"""Closed-loop evaluation of trained policies in batched MJX, during and after training.
+
+``SimEvaluation`` is what ``ExperimentConfig.evaluation`` holds: every
+``train.eval_every`` steps the trainer hands it the live model and the run's
+normalisation statistics; it wraps them in a ``PolicyBundle`` (the same pre- and
+post-processing a robot runs) and evaluates the policy on the task's batched MJX
+environments. The evaluation program is compiled once; later calls only pass new
+weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from embodied_jax.bundle import PolicyBundle
+from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator
+
+_EVALUATORS: dict[tuple, tuple[Evaluator, PolicyBundle]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class SimEvaluation:
+    task: str = "reach"
+    num_envs: int = 32
+    execute_steps: int = 5
+    image_size: tuple[int, int] = (32, 32)
+    seed: int = 0
+
+    def evaluator(self, bundle: PolicyBundle, *, num_videos: int = 0) -> tuple[Evaluator, Any]:
+        env = Env(self.task, EnvConfig(image_size=tuple(self.image_size)))
+        act, params = bundle.act_fn(env.instruction, with_params=True)
+        config = EvalConfig(num_envs=self.num_envs, execute_steps=self.execute_steps, num_videos=num_videos,
+                            seed=self.seed)
+        return Evaluator(env, act, config), params
+
+    def evaluate(self, model: Any, step: int, *, config: Any, norm_stats: dict | None) -> dict[str, float]:
+        key = (self, id(config))
+        if key not in _EVALUATORS:
+            bundle = PolicyBundle(config, model, norm_stats, step=step)
+            evaluator, _ = self.evaluator(bundle)
+            _EVALUATORS[key] = (evaluator, bundle)
+        evaluator, bundle = _EVALUATORS[key]
+        from flax import nnx
+
+        bundle.model = model
+        metrics = evaluator(jax.random.key(self.seed), params=nnx.state(model))
+        return {f"{self.task}/success_rate": metrics["success_rate"],
+                f"{self.task}/mean_episode_length": metrics["mean_episode_length"],
+                f"{self.task}/mean_reward": metrics["mean_reward"]}
