@@ -151,7 +151,14 @@ class PolicyBundle:
         from flax import nnx
 
         graphdef, params = nnx.split(self.model)
-        return (lambda p, observation, rng: act_with(nnx.merge(graphdef, p), observation, rng)), params
+
+        def act(p, observation, rng):
+            # Lift the weights into the caller's trace (e.g. a scan body): NNX refuses modules
+            # whose variables hold tracers of an enclosing trace.
+            p = jax.tree.map(jnp.copy, p)
+            return act_with(nnx.merge(graphdef, p), observation, rng)
+
+        return act, params
 
 
 def load_policy(ckpt_dir: str | pathlib.Path, *, step: int | None = None, use_ema: bool = True) -> PolicyBundle:

@@ -1,18 +1,134 @@
-"""The default experiment (``python -m experiments.launch`` with no name).
+"""The default experiment (``python -m experiments.launch`` with no name): end to end on a CPU.
 
-Interim, until the closed-loop simulation demo lands: train the toy flow-matching
-policy on synthetic data on CPU and print its loss curve.
+1. collect demonstrations of a built-in MJX task with its scripted expert, written as a
+   LeRobot dataset (``embodied_jax.sim.collect``);
+2. build a small SentencePiece tokenizer for the prompts (the real π0.5 uses PaliGemma's);
+3. train a small π0.5-architecture policy on the dataset through the Grain pipeline
+   (``--model`` selects another architecture config, e.g. the GR00T one);
+4. load the checkpoint as a policy bundle (``embodied_jax.load_policy``) and evaluate it
+   closed-loop in batched MJX; print the success rate and where videos and plots are.
 """
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
+import pathlib
+import time
 
+from embodied_jax.data.pipeline import DataConfig, SourceConfig
+from embodied_jax.data.samples import SampleSpec
+from embodied_jax.models.pi05 import Pi05Config
+from embodied_jax.models.gemma import GemmaConfig
+from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.parallel.mesh import MeshConfig
+from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
+from experiments.data_sources import LeRobotData, ModelInputs
 from experiments.registry import register
-from experiments.toy import toy
+from experiments.sim_eval import SimEvaluation
+
+IMAGE = 32
+CAMERAS = (("observation.images.scene", "base_0_rgb"), ("observation.images.wrist", "left_wrist_0_rgb"))
 
 
-@register("demo", "default: small end-to-end run on CPU (toy flow policy, synthetic data)")
-def demo():
-    base = toy()
-    return dataclasses.replace(base, name="demo", workdir="runs/demo",
-                               train=dataclasses.replace(base.train, steps=300, log_every=25))
+def demo_model(action_dim: int = 4, horizon: int = 8) -> Pi05Config:
+    """π0.5 architecture at small width: SigLIP (patch 8 on 32² images), VLM and action expert."""
+    return Pi05Config(
+        vision=SiglipConfig(width=64, depth=2, num_heads=4, mlp_dim=128, patch_size=8, image_size=IMAGE),
+        vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
+        expert=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16,
+                           use_adarms=True),
+        vocab_size=512, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=48,
+        action_horizon=horizon, max_action_dim=action_dim, action_dim=action_dim, max_state_dim=8,
+        num_inference_steps=5, dtype="float32",
+    )
+
+
+def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
+    """A SentencePiece model trained on the task prompts and state-bin numbers."""
+    import sentencepiece as spm
+
+    from embodied_jax.sim.tasks import TASKS, make_task
+
+    instructions = [make_task(name).instruction for name in TASKS]
+    numbers = " ".join(str(i) for i in range(256))
+    corpus = [f"Task: {text}, State: {numbers};\nAction: " for text in instructions] * 8
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=vocab_size, model_type="unigram",
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, character_coverage=1.0, minloglevel=2, hard_vocab_limit=False,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(model.getvalue())
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig(ExperimentConfig):
+    task: str = "reach"
+    episodes: int = 200
+    eval_envs: int = 64
+    num_videos: int = 4
+
+    def run(self) -> int:
+        from embodied_jax import load_policy
+        from embodied_jax.sim.collect import collect
+        from embodied_jax.train.loop import train
+
+        t0 = time.perf_counter()
+        workdir = pathlib.Path(self.workdir)
+        dataset = workdir / "dataset"
+        if not (dataset / "meta" / "info.json").exists():
+            print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
+            collect(self.task, self.episodes, dataset, image_size=(IMAGE, IMAGE))
+        tokenizer = build_tokenizer(workdir / "tokenizer.model", vocab_size=min(self.model.vocab_size, 400))
+        config = dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, tokenizer_path=str(tokenizer)),
+            data=dataclasses.replace(self.data, data=dataclasses.replace(self.data.data, sources=(SourceConfig(str(dataset)),))),
+        )
+        print(f"[2/4] training {type(config.model).__name__} for {config.train.steps} steps ...", flush=True)
+        result = train(config)
+        print(f"[3/4] evaluating in batched MJX ({self.eval_envs} environments) ...", flush=True)
+        bundle = load_policy(workdir)
+        evaluator, params = dataclasses.replace(self.evaluation, num_envs=self.eval_envs).evaluator(
+            bundle, num_videos=self.num_videos)
+        out = workdir / "eval"
+        metrics = evaluator(params=params, out_dir=out)
+        (out / "results.json").write_text(json.dumps(metrics, indent=2))
+        minutes = (time.perf_counter() - t0) / 60
+        low, high = metrics["success_ci95"]
+        losses = [h["loss"] for h in result.history if "loss" in h]
+        final = f"; final loss {losses[-1]:.4f}" if losses else ""
+        print(f"[4/4] {self.task}: success rate {metrics['success_rate']:.1%} "
+              f"(95% CI {low:.1%}-{high:.1%}, {metrics['episodes']} episodes), "
+              f"mean episode length {metrics['mean_episode_length']:.1f} steps{final}; "
+              f"wall time {minutes:.1f} min")
+        print(f"results: {out / 'results.json'}")
+        for video in metrics.get("videos", []):
+            print(f"video: {video}")
+        if "frame_grid" in metrics:
+            print(f"frames: {metrics['frame_grid']}")
+        print(f"tensorboard: {workdir / 'tensorboard'}")
+        return 0
+
+
+@register("demo", "default: collect MJX expert demos -> train a small π0.5 -> evaluate closed-loop (CPU)")
+def demo() -> DemoConfig:
+    return DemoConfig(
+        name="demo",
+        model=demo_model(),
+        data=LeRobotData(
+            DataConfig(sources=(), spec=SampleSpec(action_horizon=8, camera_keys=tuple(k for k, _ in CAMERAS)),
+                       image_size=(IMAGE, IMAGE),
+                       norm_modes=(("observation.state", "quantile"), ("action", "quantile"))),
+            ModelInputs(cameras=CAMERAS),
+        ),
+        train=TrainConfig(steps=1500, batch_size=32, log_every=100, eval_every=500),
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=100, weight_decay=1e-4, clip_norm=1.0),
+        mesh=MeshConfig(data=-1),
+        checkpoint=CheckpointConfig(save_every=500, keep_last=2),
+        metrics=MetricsConfig(progress_bar=True),
+        evaluation=SimEvaluation(task="reach", num_envs=32, image_size=(IMAGE, IMAGE)),
+        workdir="runs/demo",
+    )

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if config.compile:
             raise ConfigError("compile: --compile only applies together with --dry-run")
+        if hasattr(config, "run"):  # experiments with steps around training (the demo)
+            return config.run()
         result = train(config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -83,6 +83,7 @@ class Pi05Config:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     synthetic_prompt_len: int = 0  # real prompt tokens per synthetic sample (0: a quarter of max_token_len)
+    tokenizer_path: str | None = None  # local SentencePiece model (PaliGemma's tokenizer.model)
 
     def __post_init__(self):
         if not self.expert.use_adarms:
@@ -98,6 +99,19 @@ class Pi05Config:
 
     def make(self, rngs: nnx.Rngs) -> "Pi05Policy":
         return Pi05Policy(self, rngs=rngs)
+
+    def input_builder(self):
+        """The per-sample input builder (prompt with discrete state, images, padded actions)."""
+        from embodied_jax.models.pi05_inputs import Pi05InputBuilder
+
+        if self.tokenizer_path is None:
+            raise ValueError("Pi05Config.tokenizer_path: set it to a local SentencePiece tokenizer.model")
+        size = self.vision.image_size
+        return Pi05InputBuilder(
+            tokenizer_path=self.tokenizer_path, camera_names=self.camera_names,
+            image_size=tuple(size) if isinstance(size, (tuple, list)) else (size, size),
+            max_token_len=self.max_token_len, max_state_dim=self.max_state_dim, max_action_dim=self.max_action_dim,
+        )
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
         from embodied_jax.models.pi05_inputs import synthetic_pi05_batch

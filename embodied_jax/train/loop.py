@@ -98,7 +98,9 @@ def build(config: ExperimentConfig) -> Runtime:
             f"= {micro} rows per micro-batch is not divisible by the {dp} data-parallel devices "
             f"(mesh.data × mesh.fsdp)"
         )
-    parts = model_parts(config.model, mesh, config.optimizer.freeze)
+    # The model's own freezing switches (e.g. GR00T's tune_*) add to optimizer.freeze.
+    model_freeze = tuple(config.model.freeze_regexes()) if hasattr(config.model, "freeze_regexes") else ()
+    parts = model_parts(config.model, mesh, tuple(config.optimizer.freeze) + model_freeze)
     try:
         tx, schedule = make_optimizer(config.optimizer, config.train.steps)
     except ValueError as e:

@@ -1,0 +1,270 @@
+"""GR00T-N1.5's transformers: the flow-matching DiT and the VL self-attention adapter.
+
+Both are stacks of diffusers-style ``BasicTransformerBlock``s (pre-norm attention with
+biases, pre-norm GELU-tanh feed-forward of width 4x, residuals):
+
+- ``DiT``: AdaLayerNorm ``norm1`` conditioned on the timestep embedding (chunks scale,
+  shift), affine-free ``norm3``; with ``interleave_self_attention`` even blocks
+  cross-attend to the VL tokens and odd blocks self-attend over the action-head tokens.
+  Output: ``proj_out_1(silu(temb))`` -> (shift, scale) around an affine-free LayerNorm
+  (eps 1e-6), then ``proj_out_2``.
+- ``SelfAttentionTransformer`` (``vl_self_attention``): affine LayerNorms, self-attention.
+
+Interleaved DiT blocks have different key/value shapes, so a scanned DiT stacks *pairs*
+(``transformer_blocks.cross_block`` = upstream block 2i, ``.self_block`` = block 2i+1).
+
+Names map to upstream as ``attn1.to_out`` <- ``attn1.to_out.0``, ``ff.proj_in`` <-
+``ff.net.0.proj``, ``ff.proj_out`` <- ``ff.net.2`` (see ``models/weights/gr00t_n15.py``).
+
+Masking: queries and keys carry segment ids (``nn.attention``). Cross-attention takes the
+VL ``context`` per *row* (``[R, S, D]``) and a ``context_index`` [B] naming each sample's
+row, so several samples' VL sequences can share one packed row: keys/values are projected
+once per row and gathered per sample, and a sample attends only keys of its own segment.
+
+Dropout (upstream 0.2 in both): the attention output passes ``to_out``'s dropout and the
+block's ``final_dropout`` (rate p twice, applied here as one draw of rate 1-(1-p)^2, the
+same distribution); the feed-forward drops after the activation and after ``net.2``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from embodied_jax.nn.attention import attention
+from embodied_jax.nn.dense import Dense
+from embodied_jax.nn.embeddings import timestep_embedding
+from embodied_jax.nn.norms import AdaLayerNorm, LayerNorm, layer_normalize
+from embodied_jax.nn.stack import PerLayer, build_stack, run_stack
+
+
+def dropout(x, rate: float, key):
+    """Inverted dropout; identity when ``key`` is None or ``rate`` is 0."""
+    if key is None or rate <= 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """What a block needs beyond its shapes (shared by every block of a stack)."""
+
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    fp8: str = "none"
+    attention_impl: str = "auto"
+    dropout: float = 0.0
+    lora: Any = None  # nn.lora.LoRAConfig for every attention / feed-forward Dense, or None
+
+
+class Attention(nnx.Module):
+    """diffusers ``Attention`` with biases: ``to_q``, ``to_k``, ``to_v``, ``to_out``."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, context_dim: int | None, spec: BlockSpec,
+                 *, rngs: nnx.Rngs):
+        self.heads, self.head_dim, self.impl = heads, head_dim, spec.attention_impl
+        inner = heads * head_dim
+        common = dict(fp8=spec.fp8, dtype=spec.dtype, param_dtype=spec.param_dtype, lora=spec.lora, rngs=rngs)
+        self.to_q = Dense(dim, inner, axes=("embed", "heads"), **common)
+        self.to_k = Dense(context_dim or dim, inner, axes=("embed", "heads"), **common)
+        self.to_v = Dense(context_dim or dim, inner, axes=("embed", "heads"), **common)
+        self.to_out = Dense(inner, dim, axes=("heads", "embed"), **common)
+
+    def __call__(self, x, q_segment_ids, context=None, kv_segment_ids=None, context_index=None):
+        b, t, _ = x.shape
+        source = x if context is None else context
+        q = self.to_q(x).reshape(b, t, self.heads, self.head_dim)
+        k = self.to_k(source)
+        v = self.to_v(source).astype(k.dtype)
+        if context_index is not None:  # rows -> samples, after projecting each row once
+            k, v = jnp.take(k, context_index, axis=0), jnp.take(v, context_index, axis=0)
+        s = k.shape[1]
+        k = k.reshape(b, s, self.heads, self.head_dim)
+        v = v.reshape(b, s, self.heads, self.head_dim)
+        kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        # Explicit zero block ids: full attention within a segment, and the mask path of the
+        # fused backends (their varlen path needs the same segment numbering on both sides).
+        out = attention(
+            q, k.astype(q.dtype), v.astype(q.dtype),
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            q_block_ids=jnp.zeros_like(q_segment_ids), kv_block_ids=jnp.zeros_like(kv_segment_ids),
+            impl=self.impl,
+        )
+        return self.to_out(out.reshape(b, t, self.heads * self.head_dim))
+
+
+class FeedForward(nnx.Module):
+    """diffusers ``FeedForward`` with ``gelu-approximate``: ``proj_out(gelu_tanh(proj_in(x)))``."""
+
+    def __init__(self, dim: int, spec: BlockSpec, *, mult: int = 4, rngs: nnx.Rngs):
+        common = dict(fp8=spec.fp8, dtype=spec.dtype, param_dtype=spec.param_dtype, lora=spec.lora, rngs=rngs)
+        self.rate = spec.dropout
+        self.proj_in = Dense(dim, mult * dim, axes=("embed", "mlp"), **common)
+        self.proj_out = Dense(mult * dim, dim, axes=("mlp", "embed"), **common)
+
+    def __call__(self, x, key=None):
+        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        h = dropout(jax.nn.gelu(self.proj_in(x), approximate=True), self.rate, k1)
+        return dropout(self.proj_out(h), self.rate, k2)
+
+
+class BasicTransformerBlock(nnx.Module):
+    """One pre-norm attention + feed-forward block (``ada_norm`` for the DiT, affine LN otherwise)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, spec: BlockSpec, *, context_dim: int | None = None,
+                 ada_norm: bool = False, rngs: nnx.Rngs):
+        self.ada_norm = ada_norm
+        self.rate = spec.dropout
+        self.is_cross = context_dim is not None
+        if ada_norm:
+            self.norm1 = AdaLayerNorm(dim, dim, eps=1e-5, chunk_order=("scale", "shift"), dtype=spec.dtype,
+                                      param_dtype=spec.param_dtype, rngs=rngs)
+        else:
+            self.norm1 = LayerNorm(dim, eps=1e-5, dtype=spec.dtype, param_dtype=spec.param_dtype)
+        self.attn1 = Attention(dim, heads, head_dim, context_dim, spec, rngs=rngs)
+        affine = not ada_norm  # DiT blocks: norm_elementwise_affine=False
+        self.norm3 = LayerNorm(dim, eps=1e-5, use_scale=affine, use_bias=affine, dtype=spec.dtype,
+                               param_dtype=spec.param_dtype)
+        self.ff = FeedForward(dim, spec, rngs=rngs)
+
+    def __call__(self, x, temb=None, q_segment_ids=None, context=None, kv_segment_ids=None,
+                 context_index=None, key=None):
+        h = self.norm1(x, temb) if self.ada_norm else self.norm1(x)
+        if self.is_cross:
+            h = self.attn1(h, q_segment_ids, context, kv_segment_ids, context_index)
+        else:
+            h = self.attn1(h, q_segment_ids)
+        k_attn, k_ff = jax.random.split(key) if key is not None else (None, None)
+        x = x + dropout(h, 1.0 - (1.0 - self.rate) ** 2, k_attn).astype(x.dtype)
+        return x + self.ff(self.norm3(x), k_ff).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiTConfig:
+    num_layers: int = 16
+    num_heads: int = 32
+    head_dim: int = 48
+    output_dim: int = 1024
+    cross_attention_dim: int = 2048
+    interleave_self_attention: bool = True
+    dropout: float = 0.2
+    timestep_channels: int = 256
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+class TimestepEmbedding(nnx.Module):
+    """diffusers ``TimestepEmbedding``: ``linear_2(silu(linear_1(x)))``."""
+
+    def __init__(self, in_dim: int, dim: int, spec: BlockSpec, *, rngs: nnx.Rngs):
+        common = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, rngs=rngs)
+        self.linear_1 = Dense(in_dim, dim, axes=("cond", "embed"), **common)
+        self.linear_2 = Dense(dim, dim, axes=("embed", "cond"), **common)
+
+    def __call__(self, x):
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class TimestepEncoder(nnx.Module):
+    """Timestep bucket -> diffusers sinusoid (cos first, shift 1) -> ``timestep_embedder``."""
+
+    def __init__(self, dim: int, channels: int, spec: BlockSpec, *, rngs: nnx.Rngs):
+        self.channels = channels
+        self.timestep_embedder = TimestepEmbedding(channels, dim, spec, rngs=rngs)
+
+    def __call__(self, timesteps):
+        proj = timestep_embedding(timesteps, self.channels, flip_sin_to_cos=True, downscale_freq_shift=1.0)
+        return self.timestep_embedder(proj)
+
+
+class DiTBlockPair(nnx.Module):
+    """Upstream blocks 2i (cross-attention) and 2i+1 (self-attention) as one scan step."""
+
+    def __init__(self, cfg: DiTConfig, spec: BlockSpec, *, rngs: nnx.Rngs):
+        dim = cfg.inner_dim
+        self.cross_block = BasicTransformerBlock(dim, cfg.num_heads, cfg.head_dim, spec, ada_norm=True,
+                                                 context_dim=cfg.cross_attention_dim, rngs=rngs)
+        self.self_block = BasicTransformerBlock(dim, cfg.num_heads, cfg.head_dim, spec, ada_norm=True, rngs=rngs)
+
+    def __call__(self, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids, context_index, key=None):
+        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        x = self.cross_block(x, temb, q_segment_ids, context, kv_segment_ids, context_index, k1)
+        return self.self_block(x, temb, self_segment_ids, key=k2)
+
+
+class CrossBlock(nnx.Module):
+    """A non-interleaved DiT block: cross-attention only (same call signature as a pair)."""
+
+    def __init__(self, cfg: DiTConfig, spec: BlockSpec, *, rngs: nnx.Rngs):
+        self.block = BasicTransformerBlock(cfg.inner_dim, cfg.num_heads, cfg.head_dim, spec, ada_norm=True,
+                                           context_dim=cfg.cross_attention_dim, rngs=rngs)
+
+    def __call__(self, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids, context_index, key=None):
+        del self_segment_ids
+        return self.block(x, temb, q_segment_ids, context, kv_segment_ids, context_index, key)
+
+
+class DiT(nnx.Module):
+    def __init__(self, cfg: DiTConfig, spec: BlockSpec, *, scan_layers: bool = True, remat_policy: str = "none",
+                 rngs: nnx.Rngs):
+        if cfg.interleave_self_attention and cfg.num_layers % 2:
+            raise ValueError(f"DiTConfig.num_layers={cfg.num_layers} must be even with interleave_self_attention")
+        self.cfg, self.scan_layers, self.remat_policy = cfg, scan_layers, remat_policy
+        dim = cfg.inner_dim
+        self.timestep_encoder = TimestepEncoder(dim, cfg.timestep_channels, spec, rngs=rngs)
+        if cfg.interleave_self_attention:
+            self.num_steps = cfg.num_layers // 2
+            factory = lambda r: DiTBlockPair(cfg, spec, rngs=r)  # noqa: E731
+        else:
+            self.num_steps = cfg.num_layers
+            factory = lambda r: CrossBlock(cfg, spec, rngs=r)  # noqa: E731
+        self.transformer_blocks = build_stack(factory, self.num_steps, scan=scan_layers, rngs=rngs)
+        common = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, rngs=rngs)
+        self.proj_out_1 = Dense(dim, 2 * dim, axes=("cond", "embed"), **common)
+        self.proj_out_2 = Dense(dim, cfg.output_dim, axes=("embed", "mlp"), **common)
+
+    def __call__(self, x, timesteps, context, *, q_segment_ids, kv_segment_ids, context_index=None, key=None):
+        """x [B, T, D]; timesteps int [B]; context [R, S, Dc]; q_segment_ids [B, T] (the
+        sample's segment in its context row); kv_segment_ids [B, S] (already per sample)."""
+        temb = self.timestep_encoder(timesteps)
+        self_segment_ids = jnp.ones(x.shape[:2], jnp.int32)
+        keys = PerLayer(jax.random.split(key, self.num_steps)) if key is not None else None
+        x = run_stack(
+            self.transformer_blocks, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids,
+            context_index, keys, scan=self.scan_layers, remat_policy=self.remat_policy,
+        )
+        shift, scale = jnp.split(self.proj_out_1(jax.nn.silu(temb)).astype(jnp.float32), 2, axis=-1)
+        h = layer_normalize(x, 1e-6) * (1.0 + scale[:, None]) + shift[:, None]
+        return self.proj_out_2(h.astype(x.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class VLSelfAttentionConfig:
+    num_layers: int = 4
+    num_heads: int = 32
+    head_dim: int = 64
+    dropout: float = 0.2
+
+
+class SelfAttentionTransformer(nnx.Module):
+    """``vl_self_attention``: affine-LayerNorm self-attention blocks over the VL tokens."""
+
+    def __init__(self, cfg: VLSelfAttentionConfig, spec: BlockSpec, *, scan_layers: bool = True,
+                 remat_policy: str = "none", rngs: nnx.Rngs):
+        self.cfg, self.scan_layers, self.remat_policy = cfg, scan_layers, remat_policy
+        dim = cfg.num_heads * cfg.head_dim
+        self.transformer_blocks = build_stack(
+            lambda r: BasicTransformerBlock(dim, cfg.num_heads, cfg.head_dim, spec, rngs=r),
+            cfg.num_layers, scan=scan_layers, rngs=rngs,
+        )
+
+    def __call__(self, x, segment_ids, key=None):
+        keys = PerLayer(jax.random.split(key, self.cfg.num_layers)) if key is not None else None
+        return run_stack(self.transformer_blocks, x, None, segment_ids, key=keys,
+                         scan=self.scan_layers, remat_policy=self.remat_policy)

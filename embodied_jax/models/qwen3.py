@@ -1,0 +1,131 @@
+"""Qwen3 decoder (the language model inside Eagle 2.5): segment-id causal attention, QK-norm.
+
+Parameter names follow HF ``Qwen3Model``: ``embed_tokens``, ``layers.N.{input_layernorm,
+self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, post_attention_layernorm, mlp.{gate,up,down}_proj}``
+and ``norm``. Kernels are [in, out] (HF stores [out, in]; the importer transposes).
+
+Attention follows the project rule (``nn.attention``): a query attends a key iff their
+segment ids match and are non-zero and the key's block id (its position) is not after the
+query's. ``hidden_states`` returns the final RMSNorm applied to the last built layer, so a
+model built with fewer layers than the published one is the truncated LLM GR00T uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from embodied_jax.nn.attention import attention
+from embodied_jax.nn.dense import Dense
+from embodied_jax.nn.embeddings import Embed
+from embodied_jax.nn.mlp import GatedMLP
+from embodied_jax.nn.norms import RMSNorm
+from embodied_jax.nn.rope import apply_rope
+from embodied_jax.nn.stack import build_stack, run_stack
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    width: int = 2048
+    num_layers: int = 28
+    num_heads: int = 16
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    mlp_dim: int = 6144
+    vocab_size: int = 151680
+    rope_theta: float = 1_000_000.0
+    eps: float = 1e-6
+
+
+class Qwen3Attention(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, dtype, param_dtype, fp8: str, impl: str, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.impl = impl
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        common = dict(use_bias=False, fp8=fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Dense(cfg.width, q_dim, axes=("embed", "heads"), **common)
+        self.k_proj = Dense(cfg.width, kv_dim, axes=("embed", "kv_heads"), **common)
+        self.v_proj = Dense(cfg.width, kv_dim, axes=("embed", "kv_heads"), **common)
+        self.o_proj = Dense(q_dim, cfg.width, axes=("heads", "embed"), **common)
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+
+    def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool):
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(q, positions, theta=cfg.rope_theta).astype(v.dtype)
+        k = apply_rope(k, positions, theta=cfg.rope_theta).astype(v.dtype)
+        out = attention(
+            q, k, v,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            q_block_ids=positions, kv_block_ids=positions,
+            causal_blocks=causal_blocks, impl=self.impl,
+        )
+        return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim))
+
+
+class Qwen3DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, dtype, param_dtype, fp8: str, impl: str, rngs: nnx.Rngs):
+        norm = dict(eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.width, **norm)
+        self.self_attn = Qwen3Attention(cfg, dtype=dtype, param_dtype=param_dtype, fp8=fp8, impl=impl, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.width, **norm)
+        self.mlp = GatedMLP(cfg.width, cfg.mlp_dim, activation="silu", fp8=fp8, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool = True):
+        h = self.self_attn(self.input_layernorm(x), positions, q_segment_ids, kv_segment_ids, causal_blocks)
+        x = x + h.astype(x.dtype)
+        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
+
+
+class Qwen3Model(nnx.Module):
+    """Token embedding, ``num_layers`` decoder layers and the final RMSNorm."""
+
+    def __init__(
+        self,
+        cfg: Qwen3Config,
+        *,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        fp8: str = "none",
+        attention_impl: str = "auto",
+        scan_layers: bool = True,
+        remat_policy: str = "none",
+        rngs: nnx.Rngs,
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.scan_layers = scan_layers
+        self.remat_policy = remat_policy
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layers = build_stack(
+            lambda r: Qwen3DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, fp8=fp8,
+                                        impl=attention_impl, rngs=r),
+            cfg.num_layers, scan=scan_layers, rngs=rngs,
+        )
+        self.norm = RMSNorm(cfg.width, eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return self.embed_tokens(tokens)
+
+    def __call__(self, embeddings, positions, q_segment_ids, kv_segment_ids=None, *, causal_blocks: bool = True):
+        """Final-normed hidden states [B, T, D] of the last layer.
+
+        ``kv_segment_ids`` defaults to ``q_segment_ids``; passing all-ones query ids with the
+        padding mask as key ids reproduces HF's behaviour for padded query rows (they still
+        attend the real tokens before them). ``causal_blocks`` promises ``positions`` are
+        the within-segment positions of contiguous segments (lets fused kernels run causal).
+        """
+        kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        x = run_stack(
+            self.layers, embeddings, positions, q_segment_ids, kv_segment_ids,
+            scan=self.scan_layers, remat_policy=self.remat_policy, causal_blocks=causal_blocks,
+        )
+        return self.norm(x)

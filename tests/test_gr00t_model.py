@@ -1,0 +1,175 @@
+"""GR00T-N1.5 policy on an 8-device CPU mesh: training step pieces, packing, embodiment slots, freezing."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from embodied_jax.models.gr00t import Gr00tConfig, freeze_regexes
+from embodied_jax.models.gr00t_inputs import pack_batch
+from embodied_jax.parallel.mesh import MeshConfig, make_mesh
+from embodied_jax.parallel.sharding import batch_shardings, mesh_context
+
+TINY = Gr00tConfig(
+    image_size=28, patch_size=14, vision_width=32, vision_layers=2, vision_heads=2, vision_mlp_dim=64,
+    cameras=("front",), llm_width=64, llm_layers=3, select_layer=2, llm_heads=4, llm_kv_heads=2, llm_head_dim=16,
+    llm_mlp_dim=96, vocab_size=128, image_token_id=127, max_token_len=40, action_dim=6, action_horizon=4,
+    max_state_dim=8, hidden_size=24, input_embedding_dim=32, max_num_embodiments=4, num_future_tokens=2,
+    max_seq_len=8, dit_layers=2, dit_heads=2, dit_head_dim=16, dit_output_dim=24, vl_layers=1, vl_heads=4,
+    vl_head_dim=16, dit_dropout=0.1, vl_dropout=0.1, compute_dtype="float32", attention_impl="xla",
+    synthetic_text_tokens=(8, 10),
+)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+
+
+@pytest.fixture(scope="module")
+def model(mesh):
+    with mesh_context(mesh):
+        return nnx.jit(lambda: TINY.make(nnx.Rngs(0)))()
+
+
+def _noise_time(batch, seed=5):
+    rng = np.random.default_rng(seed)
+    b = batch["actions"].shape[0]
+    return rng.normal(size=batch["actions"].shape).astype(np.float32), rng.uniform(0, 1, b).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def train_outputs(model, mesh):
+    batch = TINY.synthetic_batch(8, seed=1)
+    batch["embodiment_id"] = np.array([0, 2, 0, 2, 2, 0, 0, 2], np.int32)
+    with mesh_context(mesh):
+        sharded = jax.device_put(batch, batch_shardings(mesh, batch))
+
+        @nnx.jit
+        def loss_and_grad(m, b):
+            return nnx.value_and_grad(lambda m: m.loss(b, jax.random.key(0)), has_aux=True)(m)
+
+        (loss, metrics), grads = loss_and_grad(model, sharded)
+        actions = nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(1)))(model, sharded)
+    return batch, loss, metrics, grads, actions
+
+
+def test_loss_gradients_and_sampling_on_mesh(model, train_outputs):
+    batch, loss, metrics, grads, actions = train_outputs
+    assert np.isfinite(float(loss)) and float(loss) > 0
+    assert int(metrics["tokens"]) == int(batch["token_mask"].sum())
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
+    for path in (("backbone", "eagle_model", "vision_model", "encoder", "layers", "mlp", "fc1", "kernel"),
+                 ("backbone", "eagle_model", "language_model", "layers", "self_attn", "q_proj", "kernel"),
+                 ("action_head", "model", "transformer_blocks", "cross_block", "attn1", "to_k", "kernel"),
+                 ("action_head", "future_tokens", "embedding")):
+        g = nnx.state(grads, nnx.Param)
+        for key in path:
+            g = g[key]
+        assert np.abs(np.asarray(g[...])).max() > 0, path
+    assert actions.shape == (8, TINY.action_horizon, TINY.action_dim)
+    assert np.all(np.isfinite(np.asarray(actions)))
+    # parameters really are sharded over the mesh
+    kernel = model.backbone.eagle_model.language_model.layers.mlp.gate_proj.kernel[...]
+    assert len(kernel.sharding.device_set) == 8
+
+
+def test_embodiment_gradients_land_only_in_used_slots(train_outputs):
+    _, _, _, grads, _ = train_outputs
+    head = grads.action_head
+    for layer in (head.state_encoder.layer1, head.action_encoder.W2, head.action_decoder.layer2):
+        for name in ("W", "b"):
+            g = np.asarray(getattr(layer, name)[...])
+            per_slot = np.abs(g).reshape(g.shape[0], -1).max(axis=1)
+            assert per_slot[0] > 0 and per_slot[2] > 0, name
+            assert per_slot[1] == 0 and per_slot[3] == 0, name
+
+
+def test_packed_equals_unpacked_and_samples_are_isolated(model, mesh):
+    batch = TINY.synthetic_batch(4, seed=3)
+    noise, time = _noise_time(batch)
+    row_len = 2 * (TINY.image_block_tokens + TINY.synthetic_text_tokens[1])  # two samples per row
+    packed = pack_batch(batch, row_len, num_rows=2)
+    assert list(packed["sample_row"]) == [0, 0, 1, 1]
+    with mesh_context(mesh):
+        losses = nnx.jit(lambda m, b: m.per_sample_losses(b, jax.random.key(0), noise=noise, time=time,
+                                                          dropout=False))
+        unpacked_err, counts = losses(model, batch)
+        packed_err, packed_counts = losses(model, packed)
+        np.testing.assert_allclose(np.asarray(packed_err), np.asarray(unpacked_err), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(packed_counts), np.asarray(counts))
+
+        # perturb sample 1 (sharing row 0 with sample 0): its prompt text and its image
+        other = {k: v for k, v in batch.items()}
+        other["tokens"] = batch["tokens"].copy()
+        text = np.flatnonzero(batch["token_mask"][1] & (batch["tokens"][1] != TINY.image_token_id))
+        other["tokens"][1, text[-3:]] = (batch["tokens"][1, text[-3:]] + 1) % TINY.image_token_id
+        other["images"] = {c: v.copy() for c, v in batch["images"].items()}
+        other["images"]["front"][1] *= -1
+        other_packed = pack_batch(other, row_len, num_rows=2)
+        perturbed, _ = losses(model, other_packed)
+        sample = nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(0), noise=noise))
+        a_before, a_after = sample(model, packed), sample(model, other_packed)
+    perturbed, packed_err = np.asarray(perturbed), np.asarray(packed_err)
+    np.testing.assert_allclose(perturbed[[0, 2, 3]], packed_err[[0, 2, 3]], rtol=1e-6, atol=1e-6)
+    assert abs(perturbed[1] - packed_err[1]) > 1e-4
+    a_before, a_after = np.asarray(a_before), np.asarray(a_after)
+    np.testing.assert_allclose(a_after[0], a_before[0], rtol=1e-6, atol=1e-6)
+    assert np.abs(a_after[1] - a_before[1]).max() > 1e-4
+
+
+# upstream module sizes (reference README, GR00T N1.5 table)
+VISION_AND_MLP1 = 427_680_704 - 15_238_352 + 2_361_344
+LLM = 914_674_688
+PROJECTOR = 52_510_720 + 228_212_736 + 34_636_800 + 1_572_864
+DIT = 550_386_688
+ALWAYS_TRAINED = 201_433_088 + 49_152 + 4_096
+
+
+@pytest.fixture(scope="module")
+def full_param_paths():
+    with mesh_context(make_mesh(MeshConfig())):
+        abstract = nnx.eval_shape(lambda: Gr00tConfig().make(nnx.Rngs(0)))
+    flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    return {"/".join(str(k.key) for k in path): int(np.prod(leaf.shape)) for path, leaf in flat}
+
+
+def _frozen(paths, cfg):
+    patterns = freeze_regexes(cfg)
+    return sum(n for p, n in paths.items() if any(re.search(r, p) for r in patterns))
+
+
+@pytest.mark.parametrize("switch, size", [("tune_visual", VISION_AND_MLP1), ("tune_llm", LLM),
+                                          ("tune_projector", PROJECTOR), ("tune_diffusion_model", DIT)])
+def test_each_freezing_switch_selects_the_upstream_set(full_param_paths, switch, size):
+    all_on = dict(tune_visual=True, tune_llm=True, tune_projector=True, tune_diffusion_model=True)
+    assert _frozen(full_param_paths, Gr00tConfig(**all_on)) == 0
+    assert _frozen(full_param_paths, Gr00tConfig(**{**all_on, switch: False})) == size
+
+
+def test_adapter_and_future_tokens_always_train(full_param_paths):
+    all_off = Gr00tConfig(tune_visual=False, tune_llm=False, tune_projector=False, tune_diffusion_model=False)
+    total = sum(full_param_paths.values())
+    assert total == 2_398_284_528
+    assert total - _frozen(full_param_paths, all_off) == ALWAYS_TRAINED
+    # the default (upstream finetune): backbone frozen, action head trained
+    assert _frozen(full_param_paths, Gr00tConfig()) == VISION_AND_MLP1 + LLM
+
+
+def test_lora_freezes_dit_base_weights_only():
+    cfg = dataclasses.replace(TINY, lora_rank=2)
+    with mesh_context(make_mesh(MeshConfig())):
+        abstract = nnx.eval_shape(lambda: cfg.make(nnx.Rngs(0)))
+    flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    paths = ["/".join(str(k.key) for k in path) for path, _ in flat]
+    patterns = freeze_regexes(cfg)
+    lora = [p for p in paths if re.search(r"lora_[ab]$", p)]
+    assert lora and all(p.startswith("action_head/model/") for p in lora)
+    assert not any(re.search(r, p) for r in patterns for p in lora)
+    dit_base = [p for p in paths if p.startswith("action_head/model/") and p not in lora]
+    assert all(any(re.search(r, p) for r in patterns) for p in dit_base)
