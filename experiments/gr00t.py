@@ -45,7 +45,7 @@ def _experiment(name: str, model: Gr00tConfig, *, train: TrainConfig, optimizer:
         name=name,
         model=model,
         train=train,
-        optimizer=OptimizerConfig(**optimizer, freeze=model.freeze_regexes(), frozen_dtype=frozen_dtype),
+        optimizer=OptimizerConfig(**optimizer, frozen_dtype=frozen_dtype),  # freezing: model.tune_*
         mesh=mesh,
         checkpoint=checkpoint,
         workdir=f"runs/{name}",
@@ -81,7 +81,7 @@ def gr00t_bench_trainable() -> ExperimentConfig:
     base = gr00t_bench()
     return dataclasses.replace(
         base, name="gr00t_bench_trainable", model=model, workdir="runs/gr00t_bench_trainable",
-        optimizer=dataclasses.replace(base.optimizer, freeze=model.freeze_regexes()),
+        optimizer=base.optimizer,
     )
 
 
