@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.parallel.sharding import mesh_context
@@ -64,8 +65,23 @@ class PolicyBundle:
         self.builder = config.model.input_builder()
         action_stats = self.stats.get(self.inputs.action_key)
         self.action_dim = int(np.asarray(action_stats.mean).shape[-1]) if action_stats is not None else None
-        self._sample = jax.jit(lambda obs, rng: self.model.sample_actions(obs, rng))
-        self._out_spec = None
+        # NNX modules may not cross a trace boundary: jitted code rebuilds the model from its state.
+        self._graphdef, _ = nnx.split(model)
+        self._sample = jax.jit(lambda state, obs, rng: self._merge(state).sample_actions(obs, rng))
+
+    @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, model):
+        self._model = model
+        self._state = nnx.state(model)
+
+    def _merge(self, state):
+        # Lift the weights into the current trace (e.g. a scan body): NNX refuses modules
+        # whose variables belong to an enclosing trace.
+        return nnx.merge(self._graphdef, jax.tree.map(jnp.copy, state))
 
     # ------------------------------------------------------------------ host side
     def preprocess(self, raw: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -109,7 +125,7 @@ class PolicyBundle:
         """Unnormalised action chunks [B, horizon, action_dim] for a raw observation."""
         rng = jax.random.key(0) if rng is None else rng
         obs = self.preprocess(raw)
-        actions = np.asarray(self._sample(jax.tree.map(jnp.asarray, obs), rng))
+        actions = np.asarray(self._sample(self._state, jax.tree.map(jnp.asarray, obs), rng))
         state = np.asarray(raw[self.inputs.state_key], np.float32)
         return self.postprocess(actions, state.reshape(actions.shape[0], -1))
 
@@ -146,23 +162,22 @@ class PolicyBundle:
             out = jax.ShapeDtypeStruct((*actions.shape[:2], out_dim), jnp.float32)
             return jax.pure_callback(host_post, out, actions, state)
 
+        def act(params, observation, rng):
+            return act_with(self._merge(params), observation, rng)
+
         if not with_params:
-            return lambda observation, rng: act_with(self.model, observation, rng)
-        from flax import nnx
-
-        graphdef, params = nnx.split(self.model)
-
-        def act(p, observation, rng):
-            # Lift the weights into the caller's trace (e.g. a scan body): NNX refuses modules
-            # whose variables hold tracers of an enclosing trace.
-            p = jax.tree.map(jnp.copy, p)
-            return act_with(nnx.merge(graphdef, p), observation, rng)
-
-        return act, params
+            state = self._state
+            return lambda observation, rng: act(state, observation, rng)
+        return act, self._state
 
 
-def load_policy(ckpt_dir: str | pathlib.Path, *, step: int | None = None, use_ema: bool = True) -> PolicyBundle:
-    """A trained policy from a run's checkpoint directory (``<workdir>/checkpoints`` or the workdir)."""
+def load_policy(ckpt_dir: str | pathlib.Path, *, step: int | None = None, use_ema: bool = True,
+                devices: list | None = None) -> PolicyBundle:
+    """A trained policy from a run's checkpoint directory (``<workdir>/checkpoints`` or the workdir).
+
+    The parameters are replicated over ``devices`` (default: the first local device, which
+    keeps the simulator's renderer, a custom call, out of SPMD partitioning).
+    """
     from embodied_jax.train.checkpoint import Checkpointer
     from embodied_jax.train.config import CheckpointConfig, from_dict
     from embodied_jax.train.loop import build
@@ -178,11 +193,12 @@ def load_policy(ckpt_dir: str | pathlib.Path, *, step: int | None = None, use_em
         if step is None:
             raise FileNotFoundError(f"{path}: no checkpoint steps")
         config = from_dict(ckpt.read_json(step, "config"))
-        # Serving: all local devices, data-parallel only; no multi-process initialisation.
+        # Serving: data-parallel over the chosen local devices; no multi-process initialisation.
+        devices = list(devices or jax.local_devices()[:1])
         config = dataclasses.replace(config, mesh=MeshConfig(data=-1), init_from=None,
                                      train=dataclasses.replace(config.train, grad_accum_steps=1,
-                                                               batch_size=jax.local_device_count()))
-        rt = build(config)
+                                                               batch_size=len(devices)))
+        rt = build(config, devices)
         state, norm_stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step)
     finally:
         ckpt.close()

@@ -45,7 +45,9 @@ class SimEvaluation:
         from flax import nnx
 
         bundle.model = model
-        metrics = evaluator(jax.random.key(self.seed), params=nnx.state(model))
+        # One device: the MJX renderer is a custom call that SPMD partitioning cannot place.
+        params = jax.device_put(nnx.state(model), jax.local_devices()[0])
+        metrics = evaluator(jax.random.key(self.seed), params=params)
         return {f"{self.task}/success_rate": metrics["success_rate"],
                 f"{self.task}/mean_episode_length": metrics["mean_episode_length"],
                 f"{self.task}/mean_reward": metrics["mean_reward"]}

@@ -16,6 +16,12 @@ if "xla_force_host_platform_device_count" not in _flags:
 # more than they save (about half the compile time of a train step on CI's 2 cores).
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+# 8 virtual devices share CI's 2 cores: a device thread can wait long for a collective's
+# rendezvous, and XLA aborts the process after 40 s by default.
+if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
+    _flags += (" --xla_cpu_collective_call_terminate_timeout_seconds=900"
+               " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300"
+               " --xla_cpu_collective_timeout_seconds=900")
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_ROOT / ".cache" / "jax"))

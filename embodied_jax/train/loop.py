@@ -82,11 +82,12 @@ def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1)
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}")
 
 
-def build(config: ExperimentConfig) -> Runtime:
+def build(config: ExperimentConfig, devices: list | None = None) -> Runtime:
+    """Everything derived from the config; ``devices`` restricts the mesh (default: all devices)."""
     from embodied_jax.parallel.mesh import MeshError
 
     try:
-        mesh = make_mesh(config.mesh)
+        mesh = make_mesh(config.mesh, devices)
     except MeshError as e:
         raise ConfigError(str(e)) from e
     validate(config, mesh.devices.size, jax.process_count())

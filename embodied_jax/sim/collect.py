@@ -1,0 +1,101 @@
+"""Scripted-expert demonstrations written as a LeRobot dataset.
+
+    python -m embodied_jax.sim.collect TASK --episodes N --out DIR [--image-size H [W]]
+
+Episodes are simulated in batches (one jitted rollout, rendered with the configured
+renderer), cut at the step where they finished, and, by default, only successful
+ones are kept until N are collected. Each frame holds ``observation.state`` (joint
+state), ``observation.images.<camera>`` (``scene`` and wrist cameras, mp4) and
+``action`` (the expert's joint targets); the episode's task string is the
+instruction. Writing is done by :func:`embodied_jax.data.writer.write_lerobot_dataset`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from embodied_jax.sim import env as env_lib
+from embodied_jax.sim import rollout as rollout_lib
+from embodied_jax.sim import tasks as tasks_lib
+
+ROBOT_TYPE = "embodied_jax_gantry"
+_FRAME_BUDGET_BYTES = 400_000_000  # bound on the images held per rollout batch
+
+
+def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: int | None = None,
+                    keep_failures: bool = False, max_batches: int = 50) -> list[dict]:
+    """Run the scripted expert until ``episodes`` (successful, unless ``keep_failures``) are gathered."""
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    h, w = env.config.image_size
+    per_episode = env.episode_limit * len(env.cameras) * h * w * 3
+    batch = batch or max(1, min(episodes, 64, _FRAME_BUDGET_BYTES // per_episode))
+    run = rollout_lib.make_rollout(env, rollout_lib.expert_policy(env), batch, render=True)
+    out: list[dict] = []
+    rng = jax.random.key(seed)
+    for _ in range(max_batches):
+        rng, key = jax.random.split(rng)
+        traj = jax.tree.map(np.asarray, run(key))
+        lengths = rollout_lib.episode_lengths(traj)
+        for b in range(batch):
+            if len(out) == episodes:
+                return out
+            if not (keep_failures or traj.success[-1, b]):
+                continue
+            n = int(lengths[b])
+            episode = {
+                "task": env.instruction,
+                "observation.state": traj.state[:n, b].astype(np.float32),
+                "action": traj.action[:n, b].astype(np.float32),
+            }
+            for cam, frames in traj.images.items():
+                episode[f"observation.images.{cam}"] = frames[:n, b]
+            out.append(episode)
+    if len(out) < episodes:
+        raise RuntimeError(f"{env.name}: only {len(out)} successful expert episodes in {max_batches} batches")
+    return out
+
+
+def collect(task: str, episodes: int, out: str | os.PathLike, *, image_size: tuple[int, int] = (64, 64),
+            seed: int = 0, batch: int | None = None, renderer: str = "auto", version: str = "v3.0",
+            codec: str = "h264", keep_failures: bool = False) -> pathlib.Path:
+    """Write ``episodes`` expert demonstrations of ``task`` as a LeRobot dataset under ``out``."""
+    from embodied_jax.data.writer import write_lerobot_dataset
+
+    env = env_lib.Env(task, env_lib.EnvConfig(image_size=tuple(image_size), renderer=renderer))
+    eps = expert_episodes(env, episodes, seed=seed, batch=batch, keep_failures=keep_failures)
+    return write_lerobot_dataset(out, eps, fps=round(1.0 / env.control_dt), version=version, codec=codec,
+                                 robot_type=ROBOT_TYPE)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m embodied_jax.sim.collect", description=__doc__.splitlines()[0])
+    parser.add_argument("task", choices=sorted(tasks_lib.TASKS))
+    parser.add_argument("--episodes", type=int, required=True)
+    parser.add_argument("--out", required=True, help="dataset directory to create")
+    parser.add_argument("--image-size", type=int, nargs="+", default=[64], metavar="PX",
+                        help="square size, or height width (default 64)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=None, help="episodes simulated per rollout")
+    parser.add_argument("--renderer", choices=("auto", "warp", "raycast"), default="auto")
+    parser.add_argument("--version", choices=("v3.0", "v2.1"), default="v3.0")
+    parser.add_argument("--codec", choices=("h264", "av1"), default="h264")
+    parser.add_argument("--keep-failures", action="store_true", help="also write unsuccessful episodes")
+    args = parser.parse_args(argv)
+    if len(args.image_size) not in (1, 2):
+        parser.error("--image-size takes one (square) or two (height width) integers")
+    size = tuple(args.image_size) * (2 if len(args.image_size) == 1 else 1)
+    root = collect(args.task, args.episodes, args.out, image_size=size, seed=args.seed, batch=args.batch,
+                   renderer=args.renderer, version=args.version, codec=args.codec, keep_failures=args.keep_failures)
+    print(f"wrote {args.episodes} {args.task} episodes to {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

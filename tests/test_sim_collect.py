@@ -1,0 +1,63 @@
+"""Expert demonstrations -> LeRobot dataset -> read back by the data layer."""
+import numpy as np
+import pytest
+
+from embodied_jax.data.lerobot import LeRobotDataset
+from embodied_jax.sim import collect
+from embodied_jax.sim import env as env_lib
+
+EPISODES, SIZE = 3, 32
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demos") / "reach"
+    # Through the CLI entry point (in-process), exactly as users run it.
+    assert collect.main(["reach", "--episodes", str(EPISODES), "--out", str(root), "--image-size", str(SIZE),
+                         "--seed", "1"]) == 0
+    env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(SIZE, SIZE)))
+    expected = collect.expert_episodes(env, EPISODES, seed=1)
+    return LeRobotDataset(root), expected
+
+
+def test_dataset_has_episodes_states_actions_and_task(dataset):
+    ds, expected = dataset
+    assert ds.num_episodes == EPISODES
+    assert ds.num_frames == sum(len(e["action"]) for e in expected)
+    assert ds.fps == 10
+    for position, episode in enumerate(expected):
+        np.testing.assert_allclose(ds.episode_array(position, "observation.state"), episode["observation.state"])
+        np.testing.assert_allclose(ds.episode_array(position, "action"), episode["action"])
+        assert ds.task(position, 0) == "move the gripper to the red ball"
+
+
+def test_frames_decode_close_to_rendered_images(dataset):
+    ds, expected = dataset
+    for camera in ("scene", "wrist"):
+        key = f"observation.images.{camera}"
+        frames = ds.images(0, key, range(len(expected[0]["action"])))
+        assert frames.shape == expected[0][key].shape == (len(expected[0]["action"]), SIZE, SIZE, 3)
+        error = np.abs(frames.astype(int) - expected[0][key].astype(int)).mean()
+        assert error < 12, (camera, error)  # lossy H.264, same content
+    frame = ds.frame(1, 0)
+    assert frame["observation.images.scene"].shape == (SIZE, SIZE, 3)
+
+
+def test_episodes_end_when_the_expert_succeeds(dataset):
+    ds, expected = dataset
+    env = env_lib.Env("reach")
+    for episode in expected:
+        assert 1 <= len(episode["action"]) < env.episode_limit
+    # Actions are joint targets inside the joint ranges.
+    low, high = (np.asarray(x) for x in env.action_bounds())
+    actions = np.concatenate([e["action"] for e in expected])
+    assert (actions >= low - 1e-6).all() and (actions <= high + 1e-6).all()
+
+
+def test_cli_rejects_bad_arguments(tmp_path):
+    with pytest.raises(SystemExit):
+        collect.main(["reach", "--episodes", "2", "--out", str(tmp_path), "--image-size", "1", "2", "3"])
+    with pytest.raises(SystemExit):
+        collect.main(["juggle", "--episodes", "2", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="episodes"):
+        collect.expert_episodes(env_lib.Env("reach"), 0)

@@ -1,0 +1,123 @@
+"""Built-in MJX tasks: determinism, batched == unbatched, expert and random success rates.
+
+One batched rollout per task (64 expert episodes + 32 random-policy episodes in the same
+jitted program) is shared by every test of that task through a module-scoped fixture.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from embodied_jax.sim import env as env_lib
+from embodied_jax.sim import rollout as rollout_lib
+from embodied_jax.sim import tasks as tasks_lib
+
+TASKS = ("reach", "pick_place", "handover")
+EXPERT_EPISODES, RANDOM_EPISODES = 64, 16
+SEED = 7
+CHECK_STEPS = 3
+
+
+class TaskRun:
+    def __init__(self, name):
+        self.env = env_lib.Env(name, env_lib.EnvConfig(renderer="raycast"))
+        batch = EXPERT_EPISODES + RANDOM_EPISODES
+        policy = rollout_lib.mixed_policy(rollout_lib.expert_policy(self.env), rollout_lib.random_policy(self.env),
+                                          np.arange(batch) >= EXPERT_EPISODES)
+        self.traj = jax.tree.map(np.asarray, rollout_lib.make_rollout(self.env, policy, batch)(jax.random.key(SEED)))
+        # The same worlds one at a time: reset + CHECK_STEPS steps of given actions, unbatched.
+        env = self.env
+
+        def single(key, actions):
+            state = env.reset(key)
+
+            def body(s, a):
+                s = env.step(s, a)
+                return s, s.data.qpos
+
+            _, qpos = jax.lax.scan(body, state, actions)
+            return state.data.qpos, state.info, qpos
+
+        self.single = jax.jit(single)
+        k_reset, _ = jax.random.split(jax.random.key(SEED))
+        self.reset_keys = jax.random.split(k_reset, batch)
+
+
+@pytest.fixture(scope="module", params=TASKS)
+def run(request):
+    return TaskRun(request.param)
+
+
+def test_expert_solves_at_least_95_percent(run):
+    success = run.traj.success[-1, :EXPERT_EPISODES]
+    assert success.mean() >= 0.95, f"{run.env.name}: expert success {success.mean():.3f}"
+
+
+def test_random_policy_solves_far_fewer(run):
+    expert = run.traj.success[-1, :EXPERT_EPISODES].mean()
+    random = run.traj.success[-1, EXPERT_EPISODES:].mean()
+    assert random <= 0.25 and random < expert - 0.6, (expert, random)
+    assert np.isfinite(run.traj.qpos).all() and np.isfinite(run.traj.state).all()
+
+
+def _numpy_success(task, qpos, info):
+    """The task's success predicate rewritten in NumPy over qpos [T, B, nq]."""
+    if task.name == "reach":
+        return np.linalg.norm(qpos[..., 0:3] - info["target"][None], axis=-1) < 0.03
+    obj_name, arm_qpos, half_z = (("cube", 0, 0.02) if task.name == "pick_place" else ("bar", 5, 0.02))
+    adr = task.model.joint(obj_name).qposadr[0]
+    obj = qpos[..., adr:adr + 3]
+    grip = qpos[..., arm_qpos + 3:arm_qpos + 5].mean(-1) / 0.045
+    on_goal = np.linalg.norm(obj[..., :2] - info["goal"][None, :, :2], axis=-1) < 0.03
+    return on_goal & (obj[..., 2] < half_z + 0.01) & (grip > 0.8)
+
+
+def test_success_flag_matches_numpy_predicate(run):
+    traj = run.traj
+    steps = traj.qpos.shape[0]
+    hit = _numpy_success(run.env.task, traj.qpos[1:], traj.info).any(0)  # states after actions 0..T-2
+    finished_before_last = traj.done[:-1].any(0)
+    decided = finished_before_last | ~traj.success[-1]
+    np.testing.assert_array_equal(hit[decided], traj.success[-1][decided])
+    assert decided[:EXPERT_EPISODES].mean() >= 0.95 and steps == run.env.episode_limit
+
+
+def test_reset_and_step_deterministic_and_batched_equals_unbatched(run):
+    actions = run.traj.action[:CHECK_STEPS]
+    for b in (0, EXPERT_EPISODES):  # one expert world, one random world
+        first = jax.tree.map(np.asarray, run.single(run.reset_keys[b], actions[:, b]))
+        again = jax.tree.map(np.asarray, run.single(run.reset_keys[b], actions[:, b]))
+        for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+            np.testing.assert_array_equal(x, y)
+        reset_qpos, info, qpos = first
+        np.testing.assert_allclose(reset_qpos, run.traj.qpos[0, b], atol=1e-6)
+        for key, value in info.items():
+            np.testing.assert_allclose(value, run.traj.info[key][b], atol=1e-6)
+        np.testing.assert_allclose(qpos, run.traj.qpos[1:CHECK_STEPS + 1, b], atol=2e-4)
+
+
+def test_different_seeds_give_different_scenes(run):
+    info = run.traj.info
+    key = "target" if run.env.name == "reach" else "goal"
+    assert len(np.unique(np.round(info[key], 4), axis=0)) == info[key].shape[0]
+
+
+def test_actions_and_state_have_documented_layout(run):
+    env = run.env
+    assert run.traj.action.shape[-1] == env.action_dim == 4 * len(env.task.arms)
+    assert run.traj.state.shape[-1] == env.state_dim
+    grip = run.traj.state[..., 3::4]
+    assert grip.min() >= -0.05 and grip.max() <= 1.05
+    # The state is joint state only: it never contains the object/goal/target pose.
+    assert env.state_dim == 4 * len(env.task.arms)
+
+
+def test_unknown_task_and_bad_action_are_rejected():
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks_lib.make_task("fold_laundry")
+    env = env_lib.Env("reach", env_lib.EnvConfig(renderer="raycast"))
+    state = jax.eval_shape(env.reset, jax.random.key(0))
+    with pytest.raises(ValueError, match="action must have shape"):
+        jax.eval_shape(env.step, state, jnp.zeros(3))
+    with pytest.raises(ValueError, match="physics"):
+        env_lib.EnvConfig(physics="bullet")
