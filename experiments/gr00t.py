@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from embodied_jax.data.pipeline import DataConfig, SourceConfig
+from embodied_jax.data.samples import SampleSpec
 from embodied_jax.models.gr00t import Gr00tConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
+from experiments.data_sources import LeRobotData, ModelInputs
 from experiments.registry import register
 
 # upstream finetune optimiser (Isaac-GR00T / LeRobot): AdamW lr 1e-4, betas (0.95, 0.999),
@@ -93,4 +96,49 @@ def gr00t_tiny() -> ExperimentConfig:
         optimizer=dict(_UPSTREAM_OPT, lr=1e-3, warmup_steps=2),
         mesh=MeshConfig(data=-1),
         checkpoint=CheckpointConfig(enabled=False),
+    )
+
+
+# modality.json's default video name "ego_view" -> observation.images.ego_view; others: --data.inputs.cameras
+FINETUNE_CAMERAS = (("observation.images.ego_view", "ego_view"),)
+
+
+def finetune_data(root: str, *, action_horizon: int, image_size: int,
+                  cameras: tuple[tuple[str, str], ...] = FINETUNE_CAMERAS) -> LeRobotData:
+    """A LeRobot dataset with ``meta/modality.json`` → the GR00T input builder, state and actions
+    min-max normalised to [-1, 1] as upstream."""
+    return LeRobotData(
+        DataConfig(sources=(SourceConfig(root),),
+                   spec=SampleSpec(action_horizon=action_horizon, use_modality=True),
+                   image_size=(image_size, image_size),
+                   norm_modes=(("observation.state", "min_max"), ("action", "min_max"))),
+        ModelInputs(cameras=cameras),
+    )
+
+
+@register("gr00t_finetune", "GR00T-N1.5 on a LeRobot dataset with meta/modality.json: --data.data.sources.0.root "
+                            "DIR --model.tokenizer-path FILE --init-from CKPT_DIR")
+def gr00t_finetune() -> ExperimentConfig:
+    """Finetune GR00T-N1.5 on a new embodiment (slot ``--model.embodiment-id``, default 31 =
+    upstream's ``new_embodiment``), with upstream's default freezing (vision tower, ``mlp1`` and
+    LLM frozen; projector, DiT, VL adapter and future tokens trained; ``--model.tune-visual`` etc.).
+
+        python -m experiments.launch gr00t_finetune --data.data.sources.0.root DATASET_DIR \\
+            --model.tokenizer-path QWEN3_TOKENIZER_JSON --init-from CKPT_DIR \\
+            [--data.inputs.cameras DATASET_KEY SLOT ...]
+
+    ``CKPT_DIR`` is ``python -m embodied_jax.models.convert --arch gr00t_n15`` output. Camera slots
+    are ``--model.cameras``; ``--data.data.spec.camera-keys`` limits decoding to the cameras used.
+    """
+    steps = 10_000
+    model = Gr00tConfig()
+    return dataclasses.replace(
+        _experiment(
+            "gr00t_finetune", model,
+            train=TrainConfig(steps=steps, batch_size=32, log_every=10),
+            optimizer=dict(_UPSTREAM_OPT, warmup_steps=steps // 20),
+            mesh=MeshConfig(data=1, fsdp=-1),
+            checkpoint=CheckpointConfig(save_every=1000, keep_last=3),
+        ),
+        data=finetune_data("data/lerobot_dataset", action_horizon=model.action_horizon, image_size=model.image_size),
     )

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from embodied_jax.data.pipeline import DataConfig, SourceConfig
+from embodied_jax.data.samples import SampleSpec
 from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.pi05 import Pi05Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
+from experiments.data_sources import LeRobotData, ModelInputs
 from experiments.registry import register
 
 _UPSTREAM_OPT = dict(lr=2.5e-5, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
@@ -87,6 +90,50 @@ def pi05_tiny() -> ExperimentConfig:
         mesh=MeshConfig(data=-1),
         checkpoint=CheckpointConfig(save_every=50, keep_last=1),
         workdir="runs/pi05_tiny",
+    )
+
+
+# LIBERO's camera names (LeRobot's π0.5 finetuning example); other datasets: --data.inputs.cameras
+FINETUNE_CAMERAS = (("observation.images.image", "base_0_rgb"), ("observation.images.wrist_image", "left_wrist_0_rgb"))
+
+
+def finetune_data(root: str, *, action_horizon: int, image_size: int,
+                  cameras: tuple[tuple[str, str], ...] = FINETUNE_CAMERAS) -> LeRobotData:
+    """One LeRobot dataset → the π0.5 input builder, state and actions quantile-normalised (upstream)."""
+    return LeRobotData(
+        DataConfig(sources=(SourceConfig(root),), spec=SampleSpec(action_horizon=action_horizon),
+                   image_size=(image_size, image_size),
+                   norm_modes=(("observation.state", "quantile"), ("action", "quantile"))),
+        ModelInputs(cameras=cameras),
+    )
+
+
+@register("pi05_finetune", "π0.5 on a LeRobot dataset: --data.data.sources.0.root DIR --model.tokenizer-path "
+                           "FILE --init-from CKPT_DIR [--model.lora-rank R]")
+def pi05_finetune() -> ExperimentConfig:
+    """Finetune π0.5 on one LeRobot dataset (quantile statistics saved in every checkpoint).
+
+        python -m experiments.launch pi05_finetune --data.data.sources.0.root DATASET_DIR \\
+            --model.tokenizer-path PALIGEMMA_TOKENIZER_MODEL --init-from CKPT_DIR \\
+            [--data.inputs.cameras DATASET_KEY SLOT ...] [--model.lora-rank 16]
+
+    ``CKPT_DIR`` is ``python -m embodied_jax.models.convert --arch pi05`` output. With
+    ``--model.lora-rank`` > 0 only the LoRA adapters train (``Pi05Config.freeze_regexes``); frozen
+    weights are then stored in bfloat16. ``--data.data.spec.camera-keys`` limits decoding to the
+    cameras used.
+    """
+    steps = 30_000
+    model = pi05_model()
+    return ExperimentConfig(
+        name="pi05_finetune",
+        model=model,
+        data=finetune_data("data/lerobot_dataset", action_horizon=model.action_horizon,
+                           image_size=model.vision.image_size),
+        train=TrainConfig(steps=steps, batch_size=32, log_every=10),
+        optimizer=OptimizerConfig(**_UPSTREAM_OPT, warmup_steps=1_000, decay_steps=steps, frozen_dtype=model.dtype),
+        mesh=MeshConfig(data=1, fsdp=-1),
+        checkpoint=CheckpointConfig(save_every=1_000, keep_last=3),
+        workdir="runs/pi05_finetune",
     )
 
 

@@ -111,6 +111,10 @@ class Gr00tConfig:
     lora_alpha: float = 16.0
     # synthetic batches: range of text tokens (template + task) around the image block(s)
     synthetic_text_tokens: tuple[int, int] = (24, 38)
+    # input builder (real datasets): local Qwen3 tokenizer.json and the embodiment slot of the
+    # data (upstream's "new_embodiment" = 31 for finetuning on a new robot)
+    tokenizer_path: str | None = None
+    embodiment_id: int = 31
 
     def __post_init__(self):
         if not 1 <= self.select_layer <= self.llm_layers:
@@ -171,6 +175,17 @@ class Gr00tConfig:
 
     def freeze_regexes(self) -> tuple[str, ...]:
         return freeze_regexes(self)
+
+    def input_builder(self):
+        """The per-sample input builder (Eagle prompt, images, padded state/actions, embodiment id)."""
+        from embodied_jax.models.gr00t_inputs import Gr00tInputBuilder
+
+        if self.tokenizer_path is None:
+            raise ValueError("Gr00tConfig.tokenizer_path: set it to a local Qwen3 tokenizer.json")
+        if not 0 <= self.embodiment_id < self.max_num_embodiments:
+            raise ValueError(f"Gr00tConfig.embodiment_id={self.embodiment_id} must be in [0, max_num_embodiments="
+                             f"{self.max_num_embodiments})")
+        return Gr00tInputBuilder.for_config(self, self.tokenizer_path, embodiment_id=self.embodiment_id)
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
         rng = np.random.default_rng(seed)

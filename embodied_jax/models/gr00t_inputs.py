@@ -55,6 +55,7 @@ class Gr00tInputBuilder:
     action_dim: int = 32
     embodiment_id: int = 31  # upstream "new_embodiment"
     pad_token: str = "<|endoftext|>"
+    image_size: int | None = None  # expected square image side (None: not checked)
 
     def __post_init__(self):
         tok = JsonTokenizer(self.tokenizer_path, pad_token=self.pad_token)
@@ -75,7 +76,8 @@ class Gr00tInputBuilder:
         """A builder matching a ``Gr00tConfig``'s cameras, lengths and dimensions."""
         return cls(tokenizer_path, cameras=cfg.cameras, image_tokens=cfg.image_tokens,
                    image_token_id=cfg.image_token_id, max_token_len=cfg.max_token_len,
-                   max_state_dim=cfg.max_state_dim, action_dim=cfg.action_dim, **kwargs)
+                   max_state_dim=cfg.max_state_dim, action_dim=cfg.action_dim, image_size=cfg.image_size,
+                   **kwargs)
 
     def tokenize(self, task: str) -> tuple[np.ndarray, np.ndarray]:
         ids = self._tokenizer.encode(eagle_prompt(task.strip(), len(self.cameras), self.image_tokens))
@@ -99,6 +101,12 @@ class Gr00tInputBuilder:
         if missing:
             raise KeyError(f"GR00T input builder: sample images lack cameras {missing} "
                            f"(have {sorted(sample['images'])})")
+        if self.image_size is not None:
+            for c in self.cameras:
+                shape = np.shape(sample["images"][c])
+                if tuple(shape) != (self.image_size, self.image_size, 3):
+                    raise ValueError(f"GR00T input builder: image {c!r} has shape {shape}, the model expects "
+                                     f"({self.image_size}, {self.image_size}, 3) (set the data pipeline's image_size)")
         tokens, token_mask = self.tokenize(sample["task"])
         state = np.asarray(sample["state"], np.float32).reshape(-1)
         if state.shape[0] > self.max_state_dim:

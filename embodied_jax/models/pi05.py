@@ -43,7 +43,7 @@ from flax import nnx
 from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
 from embodied_jax.nn.dense import Dense
-from embodied_jax.nn.lora import LoRAConfig
+from embodied_jax.nn.lora import LORA_FREEZE_REGEX, LoRAConfig
 
 GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256)
 GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256,
@@ -99,6 +99,10 @@ class Pi05Config:
 
     def make(self, rngs: nnx.Rngs) -> "Pi05Policy":
         return Pi05Policy(self, rngs=rngs)
+
+    def freeze_regexes(self) -> tuple[str, ...]:
+        """Trainer freeze regexes: with LoRA (``lora_rank`` > 0) only ``lora_a``/``lora_b`` train."""
+        return (LORA_FREEZE_REGEX,) if self.lora_rank else ()
 
     def input_builder(self):
         """The per-sample input builder (prompt with discrete state, images, padded actions)."""

@@ -82,8 +82,18 @@ def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _single_process_array_writes() -> None:
+    """With one process, write each array whole: replica-parallel saving splits replicated
+    arrays across local devices (one small compile per leaf shape) to spread the writes over
+    hosts, which only pays off with several processes."""
+    if jax.process_count() == 1:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+
+
 class Checkpointer:
     def __init__(self, directory: str | pathlib.Path, config: CheckpointConfig):
+        _single_process_array_writes()
         self.directory = pathlib.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep_last,
