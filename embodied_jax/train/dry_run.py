@@ -30,6 +30,14 @@ def parameter_counts(abstract_params: dict) -> dict[str, int]:
 
 
 def peak_host_bytes() -> int:
+    """Peak resident memory of this process. Linux's VmHWM belongs to the process image;
+    ``ru_maxrss`` can carry the parent's peak into a freshly spawned child."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 
