@@ -38,24 +38,29 @@ def demo_model(action_dim: int = 4, horizon: int = 8) -> Pi05Config:
         vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
         expert=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16,
                            use_adarms=True),
-        vocab_size=512, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=48,
+        vocab_size=640, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=32,
         action_horizon=horizon, max_action_dim=action_dim, action_dim=action_dim, max_state_dim=8,
-        num_inference_steps=5, dtype="float32",
+        num_inference_steps=5, flow_samples_per_obs=4, dtype="float32",
     )
 
 
 def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
-    """A SentencePiece model trained on the task prompts and state-bin numbers."""
+    """A word-level SentencePiece model of the task prompts: one token per word and per state bin.
+
+    Like PaliGemma's tokenizer (which the real π0.5 uses), every state bin 0..255 is a single
+    token, so the whole discretised state fits in the prompt; a character-level model trained
+    on so small a corpus would spell numbers digit by digit and overflow ``max_token_len``.
+    """
     import sentencepiece as spm
 
-    from embodied_jax.sim.tasks import TASKS, make_task
+    from embodied_jax.sim.tasks import TASKS
 
-    instructions = [make_task(name).instruction for name in TASKS]
-    numbers = " ".join(str(i) for i in range(256))
-    corpus = [f"Task: {text}, State: {numbers};\nAction: " for text in instructions] * 8
+    instructions = [cls.instruction for cls in TASKS.values()]
+    # Each bin as a plain word and as the last (";"-terminated) word of the state.
+    corpus = [f"Task: {text}, State: {' '.join([str(b)] * 8)};\nAction: " for text in instructions for b in range(256)]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=model, vocab_size=vocab_size, model_type="unigram",
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=vocab_size, model_type="word",
         pad_id=0, eos_id=1, bos_id=2, unk_id=3, character_coverage=1.0, minloglevel=2, hard_vocab_limit=False,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +71,7 @@ def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
 @dataclasses.dataclass(frozen=True)
 class DemoConfig(ExperimentConfig):
     task: str = "reach"
-    episodes: int = 200
+    episodes: int = 1000
     eval_envs: int = 64
     num_videos: int = 4
 
@@ -81,17 +86,18 @@ class DemoConfig(ExperimentConfig):
         if not (dataset / "meta" / "info.json").exists():
             print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
             collect(self.task, self.episodes, dataset, image_size=(IMAGE, IMAGE))
-        tokenizer = build_tokenizer(workdir / "tokenizer.model", vocab_size=min(self.model.vocab_size, 400))
+        tokenizer = build_tokenizer(workdir / "tokenizer.model", vocab_size=self.model.vocab_size)
         config = dataclasses.replace(
             self,
             model=dataclasses.replace(self.model, tokenizer_path=str(tokenizer)),
             data=dataclasses.replace(self.data, data=dataclasses.replace(self.data.data, sources=(SourceConfig(str(dataset)),))),
+            evaluation=dataclasses.replace(self.evaluation, task=self.task),  # evaluate the task trained on
         )
         print(f"[2/4] training {type(config.model).__name__} for {config.train.steps} steps ...", flush=True)
         result = train(config)
         print(f"[3/4] evaluating in batched MJX ({self.eval_envs} environments) ...", flush=True)
         bundle = load_policy(workdir)
-        evaluator, params = dataclasses.replace(self.evaluation, num_envs=self.eval_envs).evaluator(
+        evaluator, params = dataclasses.replace(config.evaluation, num_envs=self.eval_envs).evaluator(
             bundle, num_videos=self.num_videos)
         out = workdir / "eval"
         metrics = evaluator(params=params, out_dir=out)
@@ -124,11 +130,11 @@ def demo() -> DemoConfig:
                        norm_modes=(("observation.state", "quantile"), ("action", "quantile"))),
             ModelInputs(cameras=CAMERAS),
         ),
-        train=TrainConfig(steps=1500, batch_size=32, log_every=100, eval_every=500),
+        train=TrainConfig(steps=2000, batch_size=32, log_every=100, eval_every=1000, ema_decay=0.99),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=100, weight_decay=1e-4, clip_norm=1.0),
         mesh=MeshConfig(data=-1),
-        checkpoint=CheckpointConfig(save_every=500, keep_last=2),
+        checkpoint=CheckpointConfig(save_every=1000, keep_last=2),
         metrics=MetricsConfig(progress_bar=True),
-        evaluation=SimEvaluation(task="reach", num_envs=32, image_size=(IMAGE, IMAGE)),
+        evaluation=SimEvaluation(task="reach", num_envs=32, execute_steps=2, image_size=(IMAGE, IMAGE)),
         workdir="runs/demo",
     )
