@@ -3,7 +3,7 @@
 Real parquet (pyarrow) and real mp4 (PyAV, AV1 or H.264), laid out as LeRobot writes them:
 v2.1 has one parquet and one mp4 per camera per episode; v3.0 packs several episodes into
 each parquet/mp4 (``episodes_per_file``), so episodes after the first in a file have a
-non-zero ``from_timestamp``; files roll over into a new ``chunk-XXX`` directory every
+non-zero ``from_timestamp``; files roll over into a new ``chunk-NNN`` directory every
 ``chunk_size`` files. Cameras may instead be stored as PNG bytes inside the parquet.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``Eagle25`` mirrors upstream ``eagle_model`` (``vision_model``, ``mlp1``, ``language_model``):
 image embeddings (after the projector) replace the embeddings of the ``<IMG_CONTEXT>``
-placeholder tokens, in order: the k-th placeholder of the token stream (row-major over
+image-context tokens, in order: the k-th such token of the token stream (row-major over
 the batch) receives the k-th image token of the images (image-major), exactly like
 upstream's ``input_embeds[selected] = vit_embeds.reshape(-1, C)``. This also holds for
 packed rows as long as samples appear in the rows in sample order. The language model is
@@ -33,7 +33,7 @@ class EagleConfig:
 
 
 def replace_image_tokens(embeddings, tokens, image_embeddings, image_token_id: int):
-    """Put image_embeddings [N, P, D] (flattened in order) at the placeholder tokens of [R, L]."""
+    """Put image_embeddings [N, P, D] (flattened in order) at the image-context tokens of [R, L]."""
     r, length, d = embeddings.shape
     flat_tokens = tokens.reshape(-1)
     is_image = flat_tokens == image_token_id

@@ -19,7 +19,7 @@ row with ``segment_ids`` [R, L] (1.. per sample, 0 padding) and ``positions`` [R
 appear in the rows in sample order (image tokens are filled in that order).
 
 ``image_masks`` are not used: upstream GR00T has no missing-camera masking (every camera's
-placeholders are filled from its image).
+image-context tokens are filled from its image).
 
 ``mask_vl_padding=False`` reproduces upstream exactly: the LLM masks padded keys (padded
 query rows still attend the real tokens before them, as HF does) while the VL adapter and

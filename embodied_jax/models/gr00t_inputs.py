@@ -1,7 +1,7 @@
 """GR00T-N1.5 input builder (one raw sample -> model arrays) and the packed VL layout.
 
 Prompt: Eagle 2.5's chat template as GR00T applies it (one user turn holding the images
-then the task text, generation prompt added), with each image placeholder ``<image-k>``
+then the task text, generation prompt added), with each image marker ``<image-k>``
 expanded as Eagle's processor does to ``<image k><img>`` + ``<IMG_CONTEXT>`` x 256 +
 ``</img>``::
 
@@ -34,7 +34,7 @@ SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<img>", "</img>", IMAGE_CONTEXT
 
 
 def eagle_prompt(task: str, num_images: int, image_tokens: int = 256) -> str:
-    """The Eagle 2.5 chat prompt GR00T feeds the backbone, placeholders expanded."""
+    """The Eagle 2.5 chat prompt GR00T feeds the backbone, image-context tokens expanded."""
     images = "".join(
         f"<image {i + 1}><img>{IMAGE_CONTEXT * image_tokens}</img>" for i in range(num_images)
     )
@@ -84,9 +84,9 @@ class Gr00tInputBuilder:
         if len(ids) > self.max_token_len:
             raise ValueError(f"GR00T prompt has {len(ids)} tokens, more than max_token_len={self.max_token_len} "
                              f"(task: {task[:60]!r})")
-        placeholders = sum(i == self.image_token_id for i in ids)
-        if placeholders != len(self.cameras) * self.image_tokens:
-            raise ValueError(f"{self.tokenizer_path}: the prompt tokenised to {placeholders} {IMAGE_CONTEXT} tokens, "
+        found = sum(i == self.image_token_id for i in ids)
+        if found != len(self.cameras) * self.image_tokens:
+            raise ValueError(f"{self.tokenizer_path}: the prompt tokenised to {found} {IMAGE_CONTEXT} tokens, "
                              f"expected {len(self.cameras) * self.image_tokens}")
         tokens = np.full((self.max_token_len,), self._tokenizer.pad_id, np.int32)
         tokens[: len(ids)] = ids

@@ -1,6 +1,6 @@
 """Pure-JAX ray-casting renderer: the fallback when MuJoCo Warp is not installed.
 
-It draws the real scene content, not a placeholder: one primary ray per pixel is
+It draws the real scene content, never a blank frame: one primary ray per pixel is
 intersected analytically with every visible primitive geom (plane, sphere, box) at
 its current world pose (``geom_xpos``/``geom_xmat``), and the nearest hit is shaded
 with the geom's colour under the model's headlight and first directional light
