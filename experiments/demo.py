@@ -31,16 +31,16 @@ IMAGE = 32
 CAMERAS = (("observation.images.scene", "base_0_rgb"), ("observation.images.wrist", "left_wrist_0_rgb"))
 
 
-def demo_model(action_dim: int = 4, horizon: int = 8) -> Pi05Config:
-    """π0.5 architecture at small width: SigLIP (patch 8 on 32² images), VLM and action expert."""
+def demo_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -> Pi05Config:
+    """π0.5 architecture at small width: SigLIP (patch 8), VLM and action expert."""
     return Pi05Config(
-        vision=SiglipConfig(width=64, depth=2, num_heads=4, mlp_dim=128, patch_size=8, image_size=IMAGE),
+        vision=SiglipConfig(width=64, depth=2, num_heads=4, mlp_dim=128, patch_size=8, image_size=image_size),
         vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
         expert=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16,
                            use_adarms=True),
         vocab_size=640, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=32,
         action_horizon=horizon, max_action_dim=action_dim, action_dim=action_dim, max_state_dim=8,
-        num_inference_steps=5, flow_samples_per_obs=4, dtype="float32",
+        num_inference_steps=10, flow_samples_per_obs=4, dtype="float32",
     )
 
 
@@ -71,9 +71,12 @@ def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
 @dataclasses.dataclass(frozen=True)
 class DemoConfig(ExperimentConfig):
     task: str = "reach"
-    episodes: int = 1000
-    eval_envs: int = 64
+    episodes: int = 3000
+    eval_envs: int = 128
     num_videos: int = 4
+    # Std (metres) of noise on the expert's executed moves; labels stay the expert's. The
+    # demonstrations then also show how to recover from off-path states (DART).
+    collect_noise: float = 0.015
 
     def run(self) -> int:
         from embodied_jax import load_policy
@@ -85,7 +88,8 @@ class DemoConfig(ExperimentConfig):
         dataset = workdir / "dataset"
         if not (dataset / "meta" / "info.json").exists():
             print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
-            collect(self.task, self.episodes, dataset, image_size=(IMAGE, IMAGE))
+            collect(self.task, self.episodes, dataset, image_size=tuple(self.data.data.image_size),
+                    noise=self.collect_noise)
         tokenizer = build_tokenizer(workdir / "tokenizer.model", vocab_size=self.model.vocab_size)
         config = dataclasses.replace(
             self,
@@ -121,20 +125,26 @@ class DemoConfig(ExperimentConfig):
 
 @register("demo", "default: collect MJX expert demos -> train a small π0.5 -> evaluate closed-loop (CPU)")
 def demo() -> DemoConfig:
+    return demo_config()
+
+
+def demo_config(image_size: int = IMAGE) -> DemoConfig:
+    """The demo at another (square) image size; dataset, model and evaluation agree on it."""
     return DemoConfig(
         name="demo",
-        model=demo_model(),
+        model=demo_model(image_size=image_size),
         data=LeRobotData(
             DataConfig(sources=(), spec=SampleSpec(action_horizon=8, camera_keys=tuple(k for k, _ in CAMERAS)),
-                       image_size=(IMAGE, IMAGE),
+                       image_size=(image_size, image_size),
                        norm_modes=(("observation.state", "quantile"), ("action", "quantile"))),
             ModelInputs(cameras=CAMERAS),
         ),
-        train=TrainConfig(steps=2000, batch_size=32, log_every=100, eval_every=1000, ema_decay=0.99),
+        train=TrainConfig(steps=3000, batch_size=32, log_every=100, eval_every=1500, ema_decay=0.99),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=100, weight_decay=1e-4, clip_norm=1.0),
         mesh=MeshConfig(data=-1),
-        checkpoint=CheckpointConfig(save_every=1000, keep_last=2),
+        checkpoint=CheckpointConfig(save_every=1500, keep_last=2),
         metrics=MetricsConfig(progress_bar=True),
-        evaluation=SimEvaluation(task="reach", num_envs=32, execute_steps=2, image_size=(IMAGE, IMAGE)),
+        # Replanning after every executed action: the policy corrects its aim as the ball comes into the wrist view.
+        evaluation=SimEvaluation(task="reach", num_envs=32, execute_steps=1, image_size=(image_size, image_size)),
         workdir="runs/demo",
     )

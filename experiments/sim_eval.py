@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from embodied_jax.bundle import PolicyBundle
+from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator
 
 _EVALUATORS: dict[tuple, tuple[Evaluator, PolicyBundle]] = {}
@@ -28,25 +29,33 @@ class SimEvaluation:
     image_size: tuple[int, int] = (32, 32)
     seed: int = 0
 
-    def evaluator(self, bundle: PolicyBundle, *, num_videos: int = 0) -> tuple[Evaluator, Any]:
+    def evaluator(self, bundle: PolicyBundle, *, num_videos: int = 0, mesh=None) -> tuple[Evaluator, Any]:
+        """``mesh``: split the environments over its ``data`` axis (see ``sim.Evaluator``)."""
         env = Env(self.task, EnvConfig(image_size=tuple(self.image_size)))
         act, params = bundle.act_fn(env.instruction, with_params=True)
         config = EvalConfig(num_envs=self.num_envs, execute_steps=self.execute_steps, num_videos=num_videos,
                             seed=self.seed)
-        return Evaluator(env, act, config), params
+        return Evaluator(env, act, config, mesh=mesh), params
 
     def evaluate(self, model: Any, step: int, *, config: Any, norm_stats: dict | None) -> dict[str, float]:
-        key = (self, id(config))
-        if key not in _EVALUATORS:
-            bundle = PolicyBundle(config, model, norm_stats, step=step)
-            evaluator, _ = self.evaluator(bundle)
-            _EVALUATORS[key] = (evaluator, bundle)
-        evaluator, bundle = _EVALUATORS[key]
+        """Called by the trainer inside its mesh: on one device the evaluation runs as is; on
+        several, its environments are split over the mesh's ``data`` axis like the batch."""
         from flax import nnx
 
+        key = (self, id(config))
+        if key not in _EVALUATORS:
+            mesh = make_mesh(config.mesh)
+            bundle = PolicyBundle(config, model, norm_stats, step=step)
+            # The simulator's constants are made on one device, outside the trainer's mesh.
+            with jax.set_mesh(make_mesh(MeshConfig(data=-1), jax.local_devices()[:1])):
+                evaluator, _ = self.evaluator(bundle, mesh=mesh if mesh.size > 1 else None)
+            _EVALUATORS[key] = (evaluator, bundle)
+        evaluator, bundle = _EVALUATORS[key]
         bundle.model = model
-        # One device: the MJX renderer is a custom call that SPMD partitioning cannot place.
-        params = jax.device_put(nnx.state(model), jax.local_devices()[0])
+        params = nnx.state(model)
+        if evaluator.mesh is None:
+            # One device: the MJX renderer is a custom call that SPMD partitioning cannot place.
+            params = jax.device_put(params, jax.local_devices()[0])
         metrics = evaluator(jax.random.key(self.seed), params=params)
         return {f"{self.task}/success_rate": metrics["success_rate"],
                 f"{self.task}/mean_episode_length": metrics["mean_episode_length"],

@@ -8,16 +8,18 @@ import numpy as np
 import pytest
 
 from embodied_jax.train.config import CheckpointConfig, MetricsConfig, TrainConfig
-from experiments.demo import IMAGE, demo
+from experiments.demo import demo_config
+
+IMAGE = 32  # as tests/test_sim_collect.py: the expert rollout compiles once for both
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("demo")
-    base = demo()
+    base = demo_config(image_size=IMAGE)
     config = dataclasses.replace(
         base, episodes=6, eval_envs=8, num_videos=1, workdir=str(workdir),
-        train=TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=0),
+        train=TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=4),  # in-training eval at the end
         checkpoint=CheckpointConfig(save_every=4, keep_last=1, async_save=False),
         metrics=MetricsConfig(progress_bar=False, tensorboard=False),
         evaluation=dataclasses.replace(base.evaluation, num_envs=8),
@@ -36,6 +38,14 @@ def test_demo_writes_dataset_checkpoint_and_report(demo_run):
     assert (demo_run / "eval" / "reach_frames.png").exists()
     assert (demo_run / "dataset" / "meta" / "info.json").exists()
     assert (demo_run / "checkpoints" / "4").is_dir()
+
+
+def test_training_logs_closed_loop_success_next_to_the_loss(demo_run):
+    rows = [json.loads(line) for line in (demo_run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/reach/success_rate" in r]
+    assert [r["step"] for r in evals] == [4]
+    assert 0.0 <= evals[0]["eval/reach/success_rate"] <= 1.0 and evals[0]["eval/reach/mean_episode_length"] > 0
+    assert any("loss" in r and r["step"] == 4 for r in rows)
 
 
 def test_policy_bundle_predicts_unnormalised_actions(demo_run):

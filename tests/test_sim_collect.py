@@ -6,7 +6,9 @@ from embodied_jax.data.lerobot import LeRobotDataset
 from embodied_jax.sim import collect
 from embodied_jax.sim import env as env_lib
 
-EPISODES, SIZE = 3, 32
+# The same episode count, image size and execution noise as the demo's end-to-end test: both
+# collect through one identical compiled rollout, so the session's compilation cache builds it once.
+EPISODES, SIZE, NOISE = 6, 32, 0.015
 
 
 @pytest.fixture(scope="module")
@@ -14,9 +16,9 @@ def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("demos") / "reach"
     # Through the CLI entry point (in-process), exactly as users run it.
     assert collect.main(["reach", "--episodes", str(EPISODES), "--out", str(root), "--image-size", str(SIZE),
-                         "--seed", "1"]) == 0
+                         "--seed", "1", "--noise", str(NOISE)]) == 0
     env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(SIZE, SIZE)))
-    expected = collect.expert_episodes(env, EPISODES, seed=1)
+    expected = collect.expert_episodes(env, EPISODES, seed=1, noise=NOISE)
     return LeRobotDataset(root), expected
 
 
@@ -52,6 +54,17 @@ def test_episodes_end_when_the_expert_succeeds(dataset):
     low, high = (np.asarray(x) for x in env.action_bounds())
     actions = np.concatenate([e["action"] for e in expected])
     assert (actions >= low - 1e-6).all() and (actions <= high + 1e-6).all()
+
+
+def test_labels_stay_the_experts_under_execution_noise(dataset):
+    _, expected = dataset
+    from embodied_jax.sim.experts import MAX_STEP
+    for episode in expected:
+        state, action = episode["observation.state"], episode["action"]
+        # Clean expert labels: rate-limited moves from the measured hand position, gripper open.
+        # Recorded noisy commands would overshoot MAX_STEP (noise std NOISE on every axis).
+        step = np.linalg.norm(action[:, :3] - state[:, :3], axis=-1)
+        assert (step <= MAX_STEP + 1e-5).all() and (action[:, 3] == 1.0).all()
 
 
 def test_cli_rejects_bad_arguments(tmp_path):

@@ -1,7 +1,8 @@
 """Built-in MJX tasks: determinism, batched == unbatched, expert and random success rates.
 
-One batched rollout per task (64 expert episodes + 32 random-policy episodes in the same
-jitted program) is shared by every test of that task through a module-scoped fixture.
+One batched rollout per task (64 expert episodes + 16 random-policy episodes in the same
+jitted program, ``sim_reference.py``) is shared by every test of that task through a
+module-scoped fixture.
 """
 import jax
 import jax.numpy as jnp
@@ -9,11 +10,10 @@ import numpy as np
 import pytest
 
 from embodied_jax.sim import env as env_lib
-from embodied_jax.sim import rollout as rollout_lib
 from embodied_jax.sim import tasks as tasks_lib
+from tests.sim_reference import BATCH, EXPERT_EPISODES, reference_rollout
 
 TASKS = ("reach", "pick_place", "handover")
-EXPERT_EPISODES, RANDOM_EPISODES = 64, 16
 SEED = 7
 CHECK_STEPS = 3
 
@@ -21,10 +21,7 @@ CHECK_STEPS = 3
 class TaskRun:
     def __init__(self, name):
         self.env = env_lib.Env(name, env_lib.EnvConfig(renderer="raycast"))
-        batch = EXPERT_EPISODES + RANDOM_EPISODES
-        policy = rollout_lib.mixed_policy(rollout_lib.expert_policy(self.env), rollout_lib.random_policy(self.env),
-                                          np.arange(batch) >= EXPERT_EPISODES)
-        self.traj = jax.tree.map(np.asarray, rollout_lib.make_rollout(self.env, policy, batch)(jax.random.key(SEED)))
+        self.traj = jax.tree.map(np.asarray, reference_rollout(self.env)(jax.random.key(SEED)))
         # The same worlds one at a time: reset + CHECK_STEPS steps of given actions, unbatched.
         env = self.env
 
@@ -40,7 +37,7 @@ class TaskRun:
 
         self.single = jax.jit(single)
         k_reset, _ = jax.random.split(jax.random.key(SEED))
-        self.reset_keys = jax.random.split(k_reset, batch)
+        self.reset_keys = jax.random.split(k_reset, BATCH)
 
 
 @pytest.fixture(scope="module", params=TASKS)

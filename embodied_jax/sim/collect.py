@@ -2,8 +2,8 @@
 
     python -m embodied_jax.sim.collect TASK --episodes N --out DIR [--image-size H [W]]
 
-Episodes are simulated in batches (one jitted rollout, rendered with the configured
-renderer), cut at the step where they finished, and, by default, only successful
+Episodes are simulated in batches (one jitted rollout of the task's ``collect_steps``,
+rendered with the configured renderer), cut at the step where they finished, and, by default, only successful
 ones are kept until N are collected. Each frame holds ``observation.state`` (joint
 state), ``observation.images.<camera>`` (``scene`` and wrist cameras, mp4) and
 ``action`` (the expert's joint targets); the episode's task string is the
@@ -29,14 +29,20 @@ _FRAME_BUDGET_BYTES = 400_000_000  # bound on the images held per rollout batch
 
 
 def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: int | None = None,
-                    keep_failures: bool = False, max_batches: int = 50) -> list[dict]:
-    """Run the scripted expert until ``episodes`` (successful, unless ``keep_failures``) are gathered."""
+                    keep_failures: bool = False, max_batches: int = 50, noise: float = 0.0) -> list[dict]:
+    """Run the scripted expert until ``episodes`` (successful, unless ``keep_failures``) are gathered.
+
+    ``noise``: std (metres) of the perturbation of executed hand positions; the recorded
+    actions stay the expert's (see :func:`~embodied_jax.sim.rollout.make_rollout`).
+    """
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     h, w = env.config.image_size
-    per_episode = env.episode_limit * len(env.cameras) * h * w * 3
+    steps = env.task.collect_steps or env.episode_limit
+    per_episode = steps * len(env.cameras) * h * w * 3
     batch = batch or max(1, min(episodes, 64, _FRAME_BUDGET_BYTES // per_episode))
-    run = rollout_lib.make_rollout(env, rollout_lib.expert_policy(env), batch, render=True)
+    run = rollout_lib.make_rollout(env, rollout_lib.expert_policy(env), batch, steps=steps, render=True,
+                                   execution_noise=noise)
     out: list[dict] = []
     rng = jax.random.key(seed)
     for _ in range(max_batches):
@@ -64,12 +70,12 @@ def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: in
 
 def collect(task: str, episodes: int, out: str | os.PathLike, *, image_size: tuple[int, int] = (64, 64),
             seed: int = 0, batch: int | None = None, renderer: str = "auto", version: str = "v3.0",
-            codec: str = "h264", keep_failures: bool = False) -> pathlib.Path:
+            codec: str = "h264", keep_failures: bool = False, noise: float = 0.0) -> pathlib.Path:
     """Write ``episodes`` expert demonstrations of ``task`` as a LeRobot dataset under ``out``."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
     env = env_lib.Env(task, env_lib.EnvConfig(image_size=tuple(image_size), renderer=renderer))
-    eps = expert_episodes(env, episodes, seed=seed, batch=batch, keep_failures=keep_failures)
+    eps = expert_episodes(env, episodes, seed=seed, batch=batch, keep_failures=keep_failures, noise=noise)
     return write_lerobot_dataset(out, eps, fps=round(1.0 / env.control_dt), version=version, codec=codec,
                                  robot_type=ROBOT_TYPE)
 
@@ -87,12 +93,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", choices=("v3.0", "v2.1"), default="v3.0")
     parser.add_argument("--codec", choices=("h264", "av1"), default="h264")
     parser.add_argument("--keep-failures", action="store_true", help="also write unsuccessful episodes")
+    parser.add_argument("--noise", type=float, default=0.0,
+                        help="std (metres) of noise on executed hand positions; recorded actions stay clean")
     args = parser.parse_args(argv)
     if len(args.image_size) not in (1, 2):
         parser.error("--image-size takes one (square) or two (height width) integers")
     size = tuple(args.image_size) * (2 if len(args.image_size) == 1 else 1)
     root = collect(args.task, args.episodes, args.out, image_size=size, seed=args.seed, batch=args.batch,
-                   renderer=args.renderer, version=args.version, codec=args.codec, keep_failures=args.keep_failures)
+                   renderer=args.renderer, version=args.version, codec=args.codec, keep_failures=args.keep_failures,
+                   noise=args.noise)
     print(f"wrote {args.episodes} {args.task} episodes to {root}")
     return 0
 

@@ -62,6 +62,7 @@ class EnvConfig:
     image_size: tuple[int, int] = (64, 64)
     physics: str = "jax"
     renderer: str = "auto"  # "warp", "raycast" or "auto" (Warp when installed)
+    shadows: bool = True  # hard shadows from the directional light (a depth cue)
     warp_max_worlds: int = 1024  # contact buffer size when physics="warp"
 
     def __post_init__(self):
@@ -71,7 +72,31 @@ class EnvConfig:
             raise ValueError(f"EnvConfig.image_size must be (height, width) >= 8, got {self.image_size!r}")
 
 
-class Env:
+class Cameras:
+    """Batched observations for an environment with ``config``, ``mj_model``, ``model``,
+    ``cameras``, ``robot_state(states)`` and a ``_renderers`` dict (one renderer per camera set)."""
+
+    def renderer(self, cameras: tuple[str, ...] | None = None):
+        cameras = tuple(cameras or self.cameras)
+        if cameras not in self._renderers:
+            h, w = self.config.image_size
+            self._renderers[cameras] = render_lib.make_renderer(self.config.renderer, self.mj_model, cameras, h, w,
+                                                                 shadows=self.config.shadows)
+        return self._renderers[cameras]
+
+    def _current_kinematics(self, data: mjx.Data) -> mjx.Data:
+        return current_kinematics(self.model, data, self.config.physics)
+
+    def render(self, states: EnvState, cameras: tuple[str, ...] | None = None) -> dict[str, jax.Array]:
+        """uint8 [B, H, W, 3] per camera for a batch of states."""
+        return self.renderer(cameras)(self._current_kinematics(states.data))
+
+    def observe(self, states: EnvState) -> dict[str, Any]:
+        """``{"state": float32 [B, S], "images": {camera: uint8 [B, H, W, 3]}}``."""
+        return {"state": self.robot_state(states), "images": self.render(states)}
+
+
+class Env(Cameras):
     """A built-in task simulated in MJX. Construct with a task name or a bound Task."""
 
     def __init__(self, task: str | tasks_lib.Task, config: EnvConfig = EnvConfig()):
@@ -165,34 +190,22 @@ class Env:
         return _select(state.done, state, new)
 
     # --- observations (batched) ----------------------------------------------------
-    def renderer(self, cameras: tuple[str, ...] | None = None):
-        cameras = tuple(cameras or self.cameras)
-        if cameras not in self._renderers:
-            h, w = self.config.image_size
-            self._renderers[cameras] = render_lib.make_renderer(self.config.renderer, self.mj_model, cameras, h, w)
-        return self._renderers[cameras]
-
-    def _current_kinematics(self, data: mjx.Data) -> mjx.Data:
-        if self.config.physics == "warp":
-            return jax.vmap(mjx.kinematics, in_axes=(None, 0))(self.model, data)
-        return jax.vmap(lambda d: mjx.camlight(self.model, mjx.kinematics(self.model, d)))(data)
-
-    def render(self, states: EnvState, cameras: tuple[str, ...] | None = None) -> dict[str, jax.Array]:
-        """uint8 [B, H, W, 3] per camera for a batch of states."""
-        return self.renderer(cameras)(self._current_kinematics(states.data))
-
     def robot_state(self, states: EnvState) -> jax.Array:
         """float32 [B, state_dim]: joint positions, grip opening in [0, 1]."""
         return jax.vmap(self.task.robot_state)(states.data)
-
-    def observe(self, states: EnvState) -> dict[str, Any]:
-        """``{"state": float32 [B, S], "images": {camera: uint8 [B, H, W, 3]}}``."""
-        return {"state": self.robot_state(states), "images": self.render(states)}
 
     def random_actions(self, rng: jax.Array, batch: int) -> jax.Array:
         """Uniform random joint targets within the action bounds, [batch, action_dim]."""
         low, high = self.action_bounds()
         return jax.random.uniform(rng, (batch, self.action_dim), minval=low, maxval=high)
+
+
+def current_kinematics(model, data: mjx.Data, physics: str) -> mjx.Data:
+    """A batch of ``data`` with poses recomputed from ``qpos``: a step leaves the kinematics of
+    the state before its last substep's integration, and cameras must show the state after it."""
+    if physics == "warp":
+        return jax.vmap(mjx.kinematics, in_axes=(None, 0))(model, data)
+    return jax.vmap(lambda d: mjx.camlight(model, mjx.kinematics(model, d)))(data)
 
 
 def _select(pred: jax.Array, old, new):

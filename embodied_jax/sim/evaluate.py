@@ -125,7 +125,8 @@ class Evaluator:
         key = (self._renderer_kind, tuple(cameras))
         cache = self.env.__dict__.setdefault("_eval_renderers", {})
         if key not in cache:
-            cache[key] = render_lib.make_renderer(self._renderer_kind, self.env.mj_model, tuple(cameras), h, w)
+            cache[key] = render_lib.make_renderer(self._renderer_kind, self.env.mj_model, tuple(cameras), h, w,
+                                                  shadows=self.env.config.shadows)
         return cache[key]
 
     def _images(self, states, cameras):
@@ -185,10 +186,13 @@ class Evaluator:
             if mesh is None:
                 return self._local_rollout(reset_keys, k_policy, params)
             ax = cfg.data_axis
+            # Size-1 axes are manual too: host callbacks in the policy (e.g. a policy bundle's
+            # preprocessing) need every mesh axis manual, and a size-1 axis loses nothing.
+            manual = {ax} | {name for name, size in mesh.shape.items() if size == 1}
             sharded = jax.shard_map(
                 self._local_rollout, mesh=mesh, in_specs=(P(ax), P(), P()),
                 out_specs=EvalRollout(success=P(ax), length=P(ax), reward=P(ax), active=P(ax), video=P(ax)),
-                axis_names={ax}, check_vma=False)
+                axis_names=manual, check_vma=False)
             return sharded(reset_keys, k_policy, params)
 
         self._compiled[with_params] = jax.jit(program)

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from embodied_jax.sim import env as env_lib
-from embodied_jax.sim import render as render_lib
 
 MENAGERIE_REPO = "https://github.com/google-deepmind/mujoco_menagerie"
 
@@ -66,16 +65,20 @@ def ensure_assets(menagerie_dir: str | os.PathLike | None = None) -> pathlib.Pat
             "(or in the MUJOCO_MENAGERIE_DIR environment variable)."
         )
     target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_symlink():  # dangling: it points at a checkout that has since moved
+        target.unlink()
     target.symlink_to(pathlib.Path(source).resolve(), target_is_directory=True)
     return target
 
 
-class PlaygroundEnv:
+class PlaygroundEnv(env_lib.Cameras):
     """A Playground manipulation env behind :class:`~embodied_jax.sim.env.Env`'s interface.
 
     ``success_fn(playground_state) -> bool`` decides success (default: a ``success``
     metric when the env reports one, else never). ``state_fn`` picks the robot state
     from Playground's observation (default: the flat observation, or its ``state`` entry).
+    As with ``Env``, a world that diverges ends as a failure at its last finite state, and
+    ``step`` returns a done world unchanged.
     """
 
     def __init__(self, name: str, *, instruction: str | None = None, episode_limit: int | None = None,
@@ -91,6 +94,9 @@ class PlaygroundEnv:
             raise ValueError(f"{name!r} is not a Playground manipulation env; available: {sorted(manipulation)}")
         overrides = dict(config_overrides or {})
         overrides.setdefault("impl", config.physics)
+        if overrides["impl"] != config.physics:
+            raise ValueError(f"config_overrides impl={overrides['impl']!r} contradicts EnvConfig.physics="
+                             f"{config.physics!r}; set the backend through EnvConfig")
         self._pg = registry.load(name, config_overrides=overrides)
         self.name = name
         self.instruction = instruction or name
@@ -105,34 +111,37 @@ class PlaygroundEnv:
         self.control_dt = float(self._pg.dt)
         self._success_fn = success_fn or (lambda s: s.metrics.get("success", jnp.zeros(())) > 0)
         self._state_fn = state_fn or (lambda s: s.obs["state"] if isinstance(s.obs, dict) else s.obs)
-        h, w = config.image_size
-        self._renderer = render_lib.make_renderer(config.renderer, self.mj_model, self.cameras, h, w)
+        self._renderers: dict[tuple[str, ...], Any] = {}
+        self.renderer()  # fail now on a model the chosen renderer cannot draw
 
     def reset(self, rng: jax.Array) -> env_lib.EnvState:
         pg = self._pg.reset(rng)
         return env_lib.EnvState(data=pg.data, info={"playground": pg}, step=jnp.zeros((), jnp.int32),
-                                reward=jnp.zeros((), jnp.float32), success=jnp.asarray(self._success_fn(pg)),
+                                reward=jnp.zeros((), jnp.float32), success=self._succeeded(pg),
                                 done=jnp.zeros((), bool))
 
     def step(self, state: env_lib.EnvState, action: jax.Array) -> env_lib.EnvState:
-        pg = self._pg.step(state.info["playground"], action)
-        success = state.success | jnp.asarray(self._success_fn(pg))
+        action = jnp.asarray(action, jnp.float32)
+        if action.shape != (self.action_dim,):
+            raise ValueError(f"{self.name}: action must have shape ({self.action_dim},), got {action.shape}")
+        old = state.info["playground"]
+        pg = self._pg.step(old, action)
+        # As in Env: a blown-up simulation ends the episode as a failure and keeps the last finite state.
+        diverged = ~(jnp.isfinite(pg.data.qpos).all() & jnp.isfinite(pg.data.qvel).all())
+        pg = env_lib._select(diverged, old, pg)
+        success = state.success | (self._succeeded(pg) & ~diverged)
         step = state.step + 1
-        new = env_lib.EnvState(data=pg.data, info={"playground": pg}, step=step, reward=jnp.asarray(pg.reward, jnp.float32),
-                               success=success, done=success | (pg.done > 0) | (step >= self.episode_limit))
-        return jax.tree.map(lambda old, nxt: jnp.where(state.done, old, nxt), state, new)
+        new = env_lib.EnvState(data=pg.data, info={"playground": pg}, step=step,
+                               reward=jnp.where(diverged, 0.0, jnp.asarray(pg.reward, jnp.float32)),
+                               success=success,
+                               done=success | diverged | (pg.done > 0) | (step >= self.episode_limit))
+        return env_lib._select(state.done, state, new)
+
+    def _succeeded(self, pg) -> jax.Array:
+        return jnp.asarray(self._success_fn(pg)).astype(bool)
 
     def robot_state(self, states: env_lib.EnvState) -> jax.Array:
         return jax.vmap(self._state_fn)(states.info["playground"]).astype(jnp.float32)
-
-    def _current_kinematics(self, data):
-        return data
-
-    def render(self, states: env_lib.EnvState, cameras=None) -> dict[str, jax.Array]:
-        return self._renderer(states.data)
-
-    def observe(self, states: env_lib.EnvState) -> dict[str, Any]:
-        return {"state": self.robot_state(states), "images": self.render(states)}
 
 
 def load_playground_env(name: str, **kwargs) -> PlaygroundEnv:

@@ -4,7 +4,8 @@ It draws the real scene content, never a blank frame: one primary ray per pixel 
 intersected analytically with every visible primitive geom (plane, sphere, box) at
 its current world pose (``geom_xpos``/``geom_xmat``), and the nearest hit is shaded
 with the geom's colour under the model's headlight and first directional light
-(Lambert, no shadows). Cameras use the model's ``cam_fovy`` and the current
+(Lambert), with hard shadows from that directional light: a second ray from each hit point
+towards the light tests every non-plane geom. Cameras use the model's ``cam_fovy`` and the current
 ``cam_xpos``/``cam_xmat``, so the images match MuJoCo's viewpoint.
 
 Everything is ``jit``/``vmap``-able and runs one world at a time; the caller vmaps it.
@@ -128,27 +129,41 @@ def _hit_plane(o, d, size):
 _HIT = {"sphere": _hit_sphere, "box": _hit_box, "plane": _hit_plane}
 
 
-def render_camera(scene: RaycastScene, cam_index: int, geom_xpos, geom_xmat, cam_xpos, cam_xmat,
-                  height: int, width: int) -> jax.Array:
-    """RGB float32 [H, W, 3] in [0, 1] for camera ``scene.camera_ids[cam_index]`` of one world."""
-    cam = scene.camera_ids[cam_index]
-    rays = jnp.asarray(_camera_rays(float(scene.fovy[cam_index]), height, width)) @ cam_xmat[cam].T
-    origin = cam_xpos[cam]
+def _nearest_hit(scene: RaycastScene, origin, rays, geom_xpos, geom_xmat, *, include_planes: bool = True):
+    """Distance, world normal and colour of the nearest geom along each ray (``_FAR`` if none)."""
+    origin = jnp.broadcast_to(origin, rays.shape)
     best_t = jnp.full(rays.shape[:1], _FAR)
     best_n = jnp.zeros_like(rays)
     best_c = jnp.broadcast_to(jnp.asarray(BACKGROUND, jnp.float32), rays.shape)
     for i, (g, kind) in enumerate(zip(scene.geom_ids, scene.geom_types)):
+        if kind == "plane" and not include_planes:
+            continue
         rot = geom_xmat[g]
-        o_local = (origin - geom_xpos[g]) @ rot
-        d_local = rays @ rot
-        t, n_local = _HIT[kind](jnp.broadcast_to(o_local, d_local.shape), d_local, jnp.asarray(scene.sizes[i]))
+        t, n_local = _HIT[kind]((origin - geom_xpos[g]) @ rot, rays @ rot, jnp.asarray(scene.sizes[i]))
         closer = t < best_t
         best_t = jnp.where(closer, t, best_t)
         best_n = jnp.where(closer[:, None], n_local @ rot.T, best_n)
         best_c = jnp.where(closer[:, None], jnp.asarray(scene.colors[i]), best_c)
+    return best_t, best_n, best_c
+
+
+def render_camera(scene: RaycastScene, cam_index: int, geom_xpos, geom_xmat, cam_xpos, cam_xmat,
+                  height: int, width: int, *, shadows: bool = True) -> jax.Array:
+    """RGB float32 [H, W, 3] in [0, 1] for camera ``scene.camera_ids[cam_index]`` of one world."""
+    cam = scene.camera_ids[cam_index]
+    rays = jnp.asarray(_camera_rays(float(scene.fovy[cam_index]), height, width)) @ cam_xmat[cam].T
+    origin = cam_xpos[cam]
+    best_t, best_n, best_c = _nearest_hit(scene, origin, rays, geom_xpos, geom_xmat)
     ambient, head_diffuse = (jnp.asarray(v, jnp.float32) for v in scene.headlight)
     facing_camera = jnp.abs(jnp.sum(best_n * rays, -1, keepdims=True))
-    sun = jnp.maximum(0.0, -jnp.sum(best_n * jnp.asarray(scene.light_dir), -1, keepdims=True))
+    light_dir = jnp.asarray(scene.light_dir)
+    sun = jnp.maximum(0.0, -jnp.sum(best_n * light_dir, -1, keepdims=True))
+    if shadows:
+        # Planes only receive shadows (a ground plane cannot occlude anything above it).
+        points = origin + jnp.minimum(best_t, 1e3)[:, None] * rays + 1e-4 * best_n
+        blocker_t, _, _ = _nearest_hit(scene, points, jnp.broadcast_to(-light_dir, rays.shape), geom_xpos, geom_xmat,
+                                       include_planes=False)
+        sun = jnp.where((blocker_t < _FAR)[:, None], 0.0, sun)
     shade = ambient + head_diffuse * facing_camera + jnp.asarray(scene.light_diffuse) * sun
     lit = jnp.clip(best_c * shade, 0.0, 1.0)
     hit = (best_t < _FAR)[:, None]

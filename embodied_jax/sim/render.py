@@ -44,14 +44,16 @@ class RaycastRenderer:
 
     kind = "raycast"
 
-    def __init__(self, model: mujoco.MjModel, cameras: tuple[str, ...], height: int, width: int):
-        self.cameras, self.height, self.width = tuple(cameras), height, width
+    def __init__(self, model: mujoco.MjModel, cameras: tuple[str, ...], height: int, width: int, *,
+                 shadows: bool = True):
+        self.cameras, self.height, self.width, self.shadows = tuple(cameras), height, width, shadows
         self._scene = raycast.build_scene(model, self.cameras)
 
     def __call__(self, data: mjx.Data) -> dict[str, jax.Array]:
         def one_world(geom_xpos, geom_xmat, cam_xpos, cam_xmat):
             return [
-                raycast.render_camera(self._scene, i, geom_xpos, geom_xmat, cam_xpos, cam_xmat, self.height, self.width)
+                raycast.render_camera(self._scene, i, geom_xpos, geom_xmat, cam_xpos, cam_xmat, self.height, self.width,
+                                      shadows=self.shadows)
                 for i in range(len(self.cameras))
             ]
 
@@ -64,10 +66,11 @@ class WarpRenderer:
 
     kind = "warp"
 
-    def __init__(self, model: mujoco.MjModel, cameras: tuple[str, ...], height: int, width: int):
+    def __init__(self, model: mujoco.MjModel, cameras: tuple[str, ...], height: int, width: int, *,
+                 shadows: bool = True):
         if not warp_available():
             raise RuntimeError("the Warp renderer needs mujoco-mjx[warp] (warp-lang); use renderer='raycast'")
-        self.cameras, self.height, self.width = tuple(cameras), height, width
+        self.cameras, self.height, self.width, self.shadows = tuple(cameras), height, width, shadows
         self._mj_model = model
         self._camera_ids = [int(model.camera(c).id) for c in self.cameras]
         self._contexts: dict[int, object] = {}
@@ -97,7 +100,7 @@ class WarpRenderer:
                 render_rgb=True,
                 render_depth=False,
                 use_textures=False,
-                use_shadows=False,
+                use_shadows=self.shadows,
                 cam_active=list(self.cameras),
                 background_color=BACKGROUND_RGBA,
             )
@@ -114,12 +117,17 @@ class WarpRenderer:
         return {cam: _to_uint8(mjx.get_rgb(ctx, cid, rgb)) for cam, cid in zip(self.cameras, self._camera_ids)}
 
 
-def make_renderer(kind: str, model: mujoco.MjModel, cameras: tuple[str, ...], height: int, width: int):
-    """``kind``: ``"warp"``, ``"raycast"`` or ``"auto"`` (Warp when installed, else the ray-caster)."""
+def make_renderer(kind: str, model: mujoco.MjModel, cameras: tuple[str, ...], height: int, width: int, *,
+                  shadows: bool = True):
+    """``kind``: ``"warp"``, ``"raycast"`` or ``"auto"`` (Warp when installed, else the ray-caster).
+
+    ``shadows``: hard shadows from the scene's directional light. They are a depth cue a
+    single camera otherwise lacks (where on the table a floating target is above).
+    """
     if kind == "auto":
         kind = "warp" if warp_available() else "raycast"
     if kind == "warp":
-        return WarpRenderer(model, cameras, height, width)
+        return WarpRenderer(model, cameras, height, width, shadows=shadows)
     if kind == "raycast":
-        return RaycastRenderer(model, cameras, height, width)
+        return RaycastRenderer(model, cameras, height, width, shadows=shadows)
     raise ValueError(f"renderer must be 'warp', 'raycast' or 'auto', got {kind!r}")

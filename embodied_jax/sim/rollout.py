@@ -55,9 +55,18 @@ def mixed_policy(first: StepPolicy, second: StepPolicy, use_second: np.ndarray) 
 
 
 def make_rollout(env: env_lib.Env, policy: StepPolicy, batch: int, *, steps: int | None = None,
-                 render: bool = False) -> Callable[[jax.Array], Trajectory]:
-    """A jitted ``rollout(rng) -> Trajectory`` of ``batch`` episodes for ``steps`` control steps."""
+                 render: bool = False, execution_noise: float = 0.0) -> Callable[[jax.Array], Trajectory]:
+    """A jitted ``rollout(rng) -> Trajectory`` of ``batch`` episodes for ``steps`` control steps.
+
+    ``execution_noise`` (metres, std): Gaussian noise added to the commanded hand positions
+    before they are executed, while the trajectory records the policy's clean actions. With
+    an expert policy this is DART-style data collection: the states drift off the expert's
+    nominal path and the labels show how the expert recovers from there.
+    """
     steps = env.episode_limit if steps is None else steps
+    if execution_noise < 0:
+        raise ValueError(f"execution_noise must be >= 0, got {execution_noise}")
+    positions = jnp.asarray(env.task.position_action_mask() if execution_noise else np.zeros(env.action_dim, bool))
 
     def run(rng):
         k_reset, k_policy = jax.random.split(rng)
@@ -66,8 +75,14 @@ def make_rollout(env: env_lib.Env, policy: StepPolicy, batch: int, *, steps: int
         def body(states, xs):
             t, key = xs
             obs_images = env.render(states) if render else {}
+            if execution_noise:
+                key, k_noise = jax.random.split(key)
             actions = policy(states, t, key)
-            nxt = env_lib.batch_step(env, states, actions)
+            executed = actions
+            if execution_noise:
+                noise = execution_noise * jax.random.normal(k_noise, actions.shape)
+                executed = actions + jnp.where(positions, noise, 0.0)
+            nxt = env_lib.batch_step(env, states, executed)
             record = dict(state=env.robot_state(states), action=actions, qpos=states.data.qpos,
                           reward=nxt.reward, success=nxt.success, done=nxt.done, active=~states.done,
                           images=obs_images)

@@ -28,6 +28,11 @@ HAND_MIN_Z = 0.02
 FINGER_PAD_X = 0.009
 FINGER_PAD_DEPTH = 0.004
 
+# Cameras: the fixed scene camera looks at the table from the front; each wrist camera
+# sits behind and above the pinch point (hand frame) looking forward and down past the fingers.
+SCENE_CAMERA = {"pos": (0.0, -0.48, 0.42), "look_at": (0.0, 0.0, 0.03), "fovy": 58}
+WRIST_CAMERA = {"pos": (-0.05, 0.0, 0.03), "look_at": (0.02, 0.0, -0.04), "fovy": 85}
+
 TIMESTEP = 0.01
 # Actuator force limits (N): bound accelerations when a policy commands large jumps.
 ARM_FORCE = 40
@@ -59,6 +64,10 @@ def _camera_axes(position, look_at):
     return " ".join(f"{v:.4f}" for v in (*right, *up))
 
 
+def _vec(values) -> str:
+    return " ".join(f"{v:g}" for v in values)
+
+
 def _arm_xml(arm: ArmSpec, wrist_camera: str) -> str:
     p = arm.prefix
     fx, fy, fz = FINGER_HALF
@@ -77,7 +86,7 @@ def _arm_xml(arm: ArmSpec, wrist_camera: str) -> str:
           <geom name="{p}palm" type="box" pos="0 0 0.035" size="0.02 0.055 0.012" rgba="{arm.color}" contype="0" conaffinity="0"/>
           <geom name="{p}column" type="box" pos="0 0 0.2" size="0.012 0.012 0.16" rgba="{arm.color}" contype="0" conaffinity="0"/>
           <site name="{p}pinch" pos="0 0 0" size="0.005"/>
-          <camera name="{wrist_camera}" pos="-0.05 0 0.03" xyaxes="{_camera_axes((-0.05, 0, 0.03), (0.02, 0, -0.04))}" fovy="85"/>
+          <camera name="{wrist_camera}" pos="{_vec(WRIST_CAMERA['pos'])}" xyaxes="{_camera_axes(WRIST_CAMERA['pos'], WRIST_CAMERA['look_at'])}" fovy="{WRIST_CAMERA['fovy']}"/>
           <body name="{p}finger_a" gravcomp="1">
             <inertial pos="0 0 0" mass="0.1" diaginertia="1e-4 1e-4 1e-4"/>
             <joint name="{p}finger_a" type="slide" axis="0 1 0" range="0 {FINGER_OPEN}" damping="2"/>
@@ -111,7 +120,7 @@ def scene_xml(arms: tuple[ArmSpec, ...], objects: str, *, wrist_names: tuple[str
     """A complete MJCF document: table, light, scene camera, ``arms`` and extra ``objects``."""
     if len(arms) != len(wrist_names):
         raise ValueError(f"wrist_names must name one camera per arm, got {wrist_names} for {len(arms)} arms")
-    scene_cam = _camera_axes((0.0, -0.48, 0.42), (0.0, 0.0, 0.03))
+    scene_cam = _camera_axes(SCENE_CAMERA["pos"], SCENE_CAMERA["look_at"])
     arm_bodies = "".join(_arm_xml(a, w) for a, w in zip(arms, wrist_names))
     actuators = "".join(_arm_actuators(a) for a in arms)
     return f"""<mujoco model="embodied_jax_scene">
@@ -124,7 +133,7 @@ def scene_xml(arms: tuple[ArmSpec, ...], objects: str, *, wrist_names: tuple[str
   <worldbody>
     <light name="sun" pos="0 -0.3 1.2" dir="0 0.25 -1" directional="true" diffuse="0.6 0.6 0.6"/>
     <geom name="table" type="plane" size="0.6 0.6 0.02" material="table" contype="2" conaffinity="0"/>
-    <camera name="scene" pos="0 -0.48 0.42" xyaxes="{scene_cam}" fovy="58"/>
+    <camera name="scene" pos="{_vec(SCENE_CAMERA['pos'])}" xyaxes="{scene_cam}" fovy="{SCENE_CAMERA['fovy']}"/>
     {arm_bodies}
     {objects}
   </worldbody>

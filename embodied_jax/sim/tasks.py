@@ -21,6 +21,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import mujoco
+import numpy as np
 
 from embodied_jax.sim import scenes
 
@@ -44,6 +45,7 @@ class Task(abc.ABC):
     name: str = ""
     instruction: str = ""
     episode_limit: int = 0
+    collect_steps: int = 0  # control steps simulated per expert demonstration (0: episode_limit)
     arms: tuple[scenes.ArmSpec, ...] = ()
     wrist_cameras: tuple[str, ...] = ()
 
@@ -104,6 +106,10 @@ class Task(abc.ABC):
         low = jnp.concatenate([jnp.array([*lay.low, 0.0]) for lay in self.layouts])
         high = jnp.concatenate([jnp.array([*lay.high, 1.0]) for lay in self.layouts])
         return low, high
+
+    def position_action_mask(self) -> np.ndarray:
+        """bool [action_dim]: which action entries are hand positions (the rest are grips)."""
+        return np.tile([True, True, True, False], len(self.arms))
 
     def apply_action(self, data, action: jax.Array):
         """Write an action (clipped to the joint ranges) into ``data.ctrl``."""
@@ -191,6 +197,9 @@ class Reach(Task):
     name = "reach"
     instruction = "move the gripper to the red ball"
     episode_limit = 30
+    # The expert arrives within 10 steps (17 with 2 cm execution noise): simulating and
+    # rendering all 30 steps of every demonstration would mostly record finished episodes.
+    collect_steps = 20
     arms = (SINGLE_ARM,)
     wrist_cameras = ("wrist",)
     tolerance = 0.03
