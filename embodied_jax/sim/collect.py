@@ -29,11 +29,13 @@ _FRAME_BUDGET_BYTES = 400_000_000  # bound on the images held per rollout batch
 
 
 def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: int | None = None,
-                    keep_failures: bool = False, max_batches: int = 50, noise: float = 0.0) -> list[dict]:
+                    keep_failures: bool = False, max_batches: int | None = None, noise: float = 0.0) -> list[dict]:
     """Run the scripted expert until ``episodes`` (successful, unless ``keep_failures``) are gathered.
 
     ``noise``: std (metres) of the perturbation of executed hand positions; the recorded
     actions stay the expert's (see :func:`~embodied_jax.sim.rollout.make_rollout`).
+    ``max_batches`` (default: twice the batches needed at full success, plus 4) bounds the
+    attempts when the expert fails often.
     """
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
@@ -43,6 +45,7 @@ def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: in
     batch = batch or max(1, min(episodes, 64, _FRAME_BUDGET_BYTES // per_episode))
     run = rollout_lib.make_rollout(env, rollout_lib.expert_policy(env), batch, steps=steps, render=True,
                                    execution_noise=noise)
+    max_batches = max_batches or 2 * -(-episodes // batch) + 4
     out: list[dict] = []
     rng = jax.random.key(seed)
     for _ in range(max_batches):
