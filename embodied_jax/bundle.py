@@ -78,11 +78,6 @@ class PolicyBundle:
         self._model = model
         self._state = nnx.state(model)
 
-    @property
-    def model_state(self):
-        """The model's weights: the ``params`` argument of ``act_fn(..., with_params=True)``'s act."""
-        return self._state
-
     def _merge(self, state):
         # Lift the weights into the current trace (e.g. a scan body): NNX refuses modules
         # whose variables belong to an enclosing trace.

@@ -66,7 +66,7 @@ def make_rollout(env: env_lib.Env, policy: StepPolicy, batch: int, *, steps: int
     steps = env.episode_limit if steps is None else steps
     if execution_noise < 0:
         raise ValueError(f"execution_noise must be >= 0, got {execution_noise}")
-    positions = jnp.asarray(env.task.position_action_mask() if execution_noise else np.zeros(env.action_dim, bool))
+    positions = jnp.asarray(env.task.position_action_mask())
 
     def run(rng):
         k_reset, k_policy = jax.random.split(rng)
@@ -77,11 +77,11 @@ def make_rollout(env: env_lib.Env, policy: StepPolicy, batch: int, *, steps: int
             obs_images = env.render(states) if render else {}
             if execution_noise:
                 key, k_noise = jax.random.split(key)
-            actions = policy(states, t, key)
-            executed = actions
-            if execution_noise:
+                actions = policy(states, t, key)
                 noise = execution_noise * jax.random.normal(k_noise, actions.shape)
                 executed = actions + jnp.where(positions, noise, 0.0)
+            else:
+                actions = executed = policy(states, t, key)
             nxt = env_lib.batch_step(env, states, executed)
             record = dict(state=env.robot_state(states), action=actions, qpos=states.data.qpos,
                           reward=nxt.reward, success=nxt.success, done=nxt.done, active=~states.done,
