@@ -1,4 +1,4 @@
-"""The reference rollout of the sim tests: 64 expert worlds and 16 random-policy worlds in one batch.
+"""The reference rollout of the sim tests: 64 expert worlds and 8 random-policy worlds in one batch.
 
 ``test_sim_tasks`` and ``test_sim_evaluate`` build it identically, so the session's
 compilation cache compiles each task's rollout once for both.
@@ -7,7 +7,7 @@ import numpy as np
 
 from embodied_jax.sim import rollout as rollout_lib
 
-EXPERT_EPISODES, RANDOM_EPISODES = 64, 16
+EXPERT_EPISODES, RANDOM_EPISODES = 64, 8
 BATCH = EXPERT_EPISODES + RANDOM_EPISODES
 
 

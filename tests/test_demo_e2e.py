@@ -19,10 +19,11 @@ def demo_run(tmp_path_factory):
     base = demo_config(image_size=IMAGE)
     config = dataclasses.replace(
         base, episodes=6, eval_envs=8, num_videos=1, workdir=str(workdir),
+        model=dataclasses.replace(base.model, num_inference_steps=2),  # plumbing, not success: cheap sampling
         train=TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=4),  # in-training eval at the end
         checkpoint=CheckpointConfig(save_every=4, keep_last=1, async_save=False),
         metrics=MetricsConfig(progress_bar=False, tensorboard=False),
-        evaluation=dataclasses.replace(base.evaluation, num_envs=8),
+        evaluation=dataclasses.replace(base.evaluation, num_envs=8, execute_steps=5),
     )
     assert config.run() == 0
     return workdir

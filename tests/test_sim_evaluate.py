@@ -1,6 +1,6 @@
 """Closed-loop evaluator: success rates equal hand-computed values; media and JSON written.
 
-The reference rollout of ``test_sim_tasks`` (64 expert and 16 random-policy worlds, same
+The reference rollout of ``test_sim_tasks`` (64 expert and 8 random-policy worlds, same
 episode keys as the evaluator) gives the actions that a replay policy feeds back
 open-loop; its per-episode success is recomputed in NumPy from the reference trajectory.
 The zero policy commands zero motion (the hand's pose at reset, every step): a world
@@ -10,6 +10,7 @@ action table is the ``params`` argument).
 """
 import json
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from embodied_jax.sim import evaluate as eval_lib
 from tests.sim_reference import BATCH, EXPERT_EPISODES, reference_rollout
 
 NUM_ENVS, HORIZON, EXECUTE = BATCH, 8, 5
+SHARDED_ENVS = 8  # 2 worlds on each of 4 devices
 SEED = 3
 
 
@@ -39,14 +41,16 @@ def setup(tmp_path_factory):
     config = eval_lib.EvalConfig(num_envs=NUM_ENVS, execute_steps=EXECUTE, num_videos=2, grid_frames=4)
     evaluator = eval_lib.Evaluator(env, replay_act, config)
     out = tmp_path_factory.mktemp("eval")
-    replay = evaluator(jax.random.key(SEED), params=jnp.asarray(reference.action), out_dir=out)
+    replay_rollout = evaluator.rollout(jax.random.key(SEED), params=jnp.asarray(reference.action))
+    replay = eval_lib.summarize(env, config, replay_rollout, out_dir=out)
     hold = np.concatenate([reference.qpos[0, :, 0:3], np.ones_like(reference.qpos[0, :, :1])], -1)
     zero = evaluator(jax.random.key(SEED), params=jnp.broadcast_to(jnp.asarray(hold), reference.action.shape))
-    return env, reference, replay, zero, out
+    return types.SimpleNamespace(env=env, reference=reference, replay=replay, replay_rollout=replay_rollout,
+                                 zero=zero, out=out)
 
 
 def test_replay_of_expert_actions_matches_hand_computed_success(setup):
-    env, reference, replay, _, _ = setup
+    env, reference, replay = setup.env, setup.reference, setup.replay
     pinch = reference.qpos[:, :, 0:3]  # hand position at reset and after each action but the last
     within = np.linalg.norm(pinch - reference.info["target"][None], axis=-1) < 0.03
     # The state after the last action is not recorded: there the environment's latched flag decides.
@@ -61,7 +65,7 @@ def test_replay_of_expert_actions_matches_hand_computed_success(setup):
 
 
 def test_zero_policy_matches_hand_computed_success(setup):
-    env, reference, _, zero, _ = setup
+    env, reference, zero = setup.env, setup.reference, setup.zero
     at_reset = np.linalg.norm(reference.qpos[0, :, 0:3] - reference.info["target"], axis=-1) < 0.03
     assert zero["successes"] == int(at_reset.sum()) < 0.1 * NUM_ENVS
     assert zero["mean_episode_length"] == pytest.approx(np.where(at_reset, 1, env.episode_limit).mean())
@@ -79,7 +83,7 @@ def test_wilson_interval_against_formula():
 
 
 def test_results_json_videos_and_grid_written(setup):
-    env, _, replay, _, out = setup
+    env, replay, out = setup.env, setup.replay, setup.out
     written = json.loads((out / "reach_results.json").read_text())
     assert written["success_rate"] == replay["success_rate"] and written["episodes"] == NUM_ENVS
     assert len(replay["videos"]) == 2
@@ -93,10 +97,12 @@ def test_results_json_videos_and_grid_written(setup):
 
 
 def test_sharded_evaluation_over_data_axis_matches(setup):
-    env, reference, replay, _, _ = setup
+    env, reference = setup.env, setup.reference
     devices = np.array(jax.devices()[:4])
     mesh = jax.sharding.Mesh(devices, ("data",))
-    config = eval_lib.EvalConfig(num_envs=NUM_ENVS, execute_steps=EXECUTE, num_videos=0)
+    # The first SHARDED_ENVS worlds: jax.random.split(key, n) is a prefix of split(key, N > n), so
+    # they are the same episodes as the unsharded evaluation's first worlds.
+    config = eval_lib.EvalConfig(num_envs=SHARDED_ENVS, execute_steps=EXECUTE, num_videos=0)
 
     def shard_replay(table, observation, rng):
         """Inside shard_map each device sees its own worlds: pick their columns of the table."""
@@ -105,15 +111,17 @@ def test_sharded_evaluation_over_data_axis_matches(setup):
         return replay_act(jax.lax.dynamic_slice_in_dim(table, first, local, 1), observation, rng)
 
     sharded = eval_lib.Evaluator(env, shard_replay, config, mesh=mesh)
-    result = sharded.rollout(jax.random.key(SEED), params=jnp.asarray(reference.action))
+    result = sharded.rollout(jax.random.key(SEED), params=jnp.asarray(reference.action[:, :SHARDED_ENVS]))
     assert result.success.sharding.spec[0] == "data"
-    metrics = eval_lib.summarize(env, config, result)
-    assert metrics["success_rate"] == replay["success_rate"]
-    assert metrics["mean_episode_length"] == replay["mean_episode_length"]
+    whole = setup.replay_rollout
+    np.testing.assert_array_equal(np.asarray(result.success), np.asarray(whole.success)[:SHARDED_ENVS])
+    np.testing.assert_array_equal(np.asarray(result.length), np.asarray(whole.length)[:SHARDED_ENVS])
+    np.testing.assert_allclose(np.asarray(result.reward), np.asarray(whole.reward)[:SHARDED_ENVS], atol=1e-6)
+    assert len(set(np.asarray(result.length).tolist())) > 1  # episodes of different lengths: a real check
 
 
 def test_bad_policy_output_and_config_are_rejected(setup):
-    env = setup[0]
+    env = setup.env
     with pytest.raises(ValueError, match="execute_steps"):
         eval_lib.Evaluator(env, replay_act, eval_lib.EvalConfig(execute_steps=0))
     with pytest.raises(ValueError, match="divide evenly"):

@@ -38,12 +38,20 @@ def _scene_states(env):
     return states, datas
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def rendered(request):
-    env = env_lib.Env("pick_place", env_lib.EnvConfig(image_size=(HEIGHT, WIDTH), renderer=request.param))
-    states, datas = _scene_states(env)
-    images = jax.tree.map(np.asarray, jax.jit(env.render)(states))
-    return request.param, env, images, datas
+@pytest.fixture(scope="module")
+def renders():
+    """kind -> (env, images, MjData list): each renderer draws the same three worlds once."""
+    out = {}
+    for kind in KINDS:
+        env = env_lib.Env("pick_place", env_lib.EnvConfig(image_size=(HEIGHT, WIDTH), renderer=kind))
+        states, datas = _scene_states(env)
+        out[kind] = env, jax.tree.map(np.asarray, jax.jit(env.render)(states)), datas
+    return out
+
+
+@pytest.fixture(params=KINDS)
+def rendered(request, renders):
+    return (request.param, *renders[request.param])
 
 
 def _blue_mask(img):
@@ -88,12 +96,8 @@ def test_cube_appears_where_the_camera_model_projects_it(rendered):
 
 
 @pytest.mark.skipif(len(KINDS) < 2, reason="Warp not installed")
-def test_raycaster_agrees_with_warp_renderer():
-    env_w = env_lib.Env("pick_place", env_lib.EnvConfig(image_size=(HEIGHT, WIDTH), renderer="warp"))
-    env_r = env_lib.Env("pick_place", env_lib.EnvConfig(image_size=(HEIGHT, WIDTH), renderer="raycast"))
-    states, _ = _scene_states(env_w)
-    a = np.asarray(jax.jit(env_w.render)(states)["scene"])
-    b = np.asarray(jax.jit(env_r.render)(states)["scene"])
+def test_raycaster_agrees_with_warp_renderer(renders):
+    a, b = renders["warp"][1]["scene"], renders["raycast"][1]["scene"]
     for world in range(a.shape[0]):
         ma, mb = _blue_mask(a[world]), _blue_mask(b[world])
         iou = (ma & mb).sum() / max(1, (ma | mb).sum())

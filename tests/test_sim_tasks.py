@@ -1,6 +1,6 @@
 """Built-in MJX tasks: determinism, batched == unbatched, expert and random success rates.
 
-One batched rollout per task (64 expert episodes + 16 random-policy episodes in the same
+One batched rollout per task (64 expert episodes + 8 random-policy episodes in the same
 jitted program, ``sim_reference.py``) is shared by every test of that task through a
 module-scoped fixture.
 """

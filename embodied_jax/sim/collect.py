@@ -26,6 +26,22 @@ from embodied_jax.sim import tasks as tasks_lib
 
 ROBOT_TYPE = "embodied_jax_gantry"
 _FRAME_BUDGET_BYTES = 400_000_000  # bound on the images held per rollout batch
+_ROLLOUTS: dict[tuple, object] = {}
+
+
+def _expert_rollout(env: env_lib.Env, batch: int, steps: int, noise: float):
+    """The jitted expert rollout, one per task, model, config and shape in a process.
+
+    Reused rather than rebuilt for a fresh ``Env`` of the same task: a new trace would give
+    Warp's render calls new ids, so the compilation cache could not recognise the program.
+    """
+    task = env.task
+    key = (type(task), task.name, task.episode_limit, env_lib.model_fingerprint(env.mj_model), env.config,
+           batch, steps, noise)
+    if key not in _ROLLOUTS:
+        _ROLLOUTS[key] = rollout_lib.make_rollout(env, rollout_lib.expert_policy(env), batch, steps=steps,
+                                                  render=True, execution_noise=noise)
+    return _ROLLOUTS[key]
 
 
 def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: int | None = None,
@@ -43,8 +59,7 @@ def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: in
     steps = env.task.collect_steps or env.episode_limit
     per_episode = steps * len(env.cameras) * h * w * 3
     batch = batch or max(1, min(episodes, 64, _FRAME_BUDGET_BYTES // per_episode))
-    run = rollout_lib.make_rollout(env, rollout_lib.expert_policy(env), batch, steps=steps, render=True,
-                                   execution_noise=noise)
+    run = _expert_rollout(env, batch, steps, noise)
     max_batches = max_batches or 2 * -(-episodes // batch) + 4
     out: list[dict] = []
     rng = jax.random.key(seed)

@@ -29,10 +29,12 @@ unchanged, so fixed-length batched rollouts need no masking.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import mujoco
 import numpy as np
 from mujoco import mjx
 
@@ -110,6 +112,11 @@ class Env(Cameras):
         self._warp_template = None
         if config.physics == "warp":
             self._make_data()
+        # The per-world dynamics are traced once per Env: every program built on them
+        # (rollouts, evaluations of any batch size, unbatched calls) reuses that trace, and
+        # eager calls run compiled.
+        self._reset = jax.jit(self._reset_world)
+        self._step = jax.jit(self._step_world)
 
     # --- description ---------------------------------------------------------------
     @property
@@ -156,8 +163,22 @@ class Env(Cameras):
         return mjx.make_data(self.model)
 
     def reset(self, rng: jax.Array) -> EnvState:
+        """A new episode of ONE world, randomised from ``rng``."""
+        return self._reset(rng)
+
+    def step(self, state: EnvState, action: jax.Array) -> EnvState:
+        """ONE world advanced by one control step (``SUBSTEPS`` physics steps); a done state is returned unchanged."""
+        action = jnp.asarray(action, jnp.float32)
+        if action.shape != (self.action_dim,):
+            raise ValueError(f"{self.name}: action must have shape ({self.action_dim},), got {action.shape}")
+        return self._step(state, action)
+
+    def _reset_world(self, rng: jax.Array) -> EnvState:
         data, info = self.task.randomize(rng, self._make_data())
-        data = mjx.forward(self.model, data)
+        # Poses only: every task reads qpos/mocap, and the first step runs the full forward
+        # pass itself (same trajectory bit for bit; a forward pass here would double the
+        # dynamics compiled into every program that resets).
+        data = mjx.kinematics(self.model, data)
         return EnvState(
             data=data,
             info=info,
@@ -167,10 +188,7 @@ class Env(Cameras):
             done=jnp.zeros((), bool),
         )
 
-    def step(self, state: EnvState, action: jax.Array) -> EnvState:
-        action = jnp.asarray(action, jnp.float32)
-        if action.shape != (self.action_dim,):
-            raise ValueError(f"{self.name}: action must have shape ({self.action_dim},), got {action.shape}")
+    def _step_world(self, state: EnvState, action: jax.Array) -> EnvState:
         data = self.task.apply_action(state.data, action)
         data = jax.lax.fori_loop(0, tasks_lib.SUBSTEPS, lambda _, d: mjx.step(self.model, d), data)
         # A simulation that blew up (e.g. an object flung by a wild policy) ends the episode as a
@@ -227,6 +245,13 @@ def batch_reset(env: Env, rng: jax.Array, batch: int) -> EnvState:
 
 def batch_step(env: Env, states: EnvState, actions: jax.Array) -> EnvState:
     return jax.vmap(env.step)(states, actions)
+
+
+def model_fingerprint(model: mujoco.MjModel) -> str:
+    """Digest of a compiled model (its MJB bytes): equal for models built from the same MJCF."""
+    buffer = np.empty(mujoco.mj_sizeModel(model), np.uint8)
+    mujoco.mj_saveModel(model, None, buffer)
+    return hashlib.sha256(buffer).hexdigest()
 
 
 def to_numpy(tree):

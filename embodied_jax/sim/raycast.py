@@ -130,29 +130,51 @@ _HIT = {"sphere": _hit_sphere, "box": _hit_box, "plane": _hit_plane}
 
 
 def _nearest_hit(scene: RaycastScene, origin, rays, geom_xpos, geom_xmat, *, include_planes: bool = True):
-    """Distance, world normal and colour of the nearest geom along each ray (``_FAR`` if none)."""
+    """Distance, world normal and colour of the nearest geom along each ray (``_FAR`` if none).
+
+    One ``lax.scan`` per primitive type over that type's geoms: the compiled program stays
+    the same size however many geoms a scene has.
+    """
     origin = jnp.broadcast_to(origin, rays.shape)
-    best_t = jnp.full(rays.shape[:1], _FAR)
-    best_n = jnp.zeros_like(rays)
-    best_c = jnp.broadcast_to(jnp.asarray(BACKGROUND, jnp.float32), rays.shape)
-    for i, (g, kind) in enumerate(zip(scene.geom_ids, scene.geom_types)):
-        if kind == "plane" and not include_planes:
+    best = (jnp.full(rays.shape[:1], _FAR), jnp.zeros_like(rays),
+            jnp.broadcast_to(jnp.asarray(BACKGROUND, jnp.float32), rays.shape))
+    for kind, hit in _HIT.items():
+        members = [i for i, k in enumerate(scene.geom_types) if k == kind]
+        if not members or (kind == "plane" and not include_planes):
             continue
-        rot = geom_xmat[g]
-        t, n_local = _HIT[kind]((origin - geom_xpos[g]) @ rot, rays @ rot, jnp.asarray(scene.sizes[i]))
-        closer = t < best_t
-        best_t = jnp.where(closer, t, best_t)
-        best_n = jnp.where(closer[:, None], n_local @ rot.T, best_n)
-        best_c = jnp.where(closer[:, None], jnp.asarray(scene.colors[i]), best_c)
-    return best_t, best_n, best_c
+        ids = np.asarray([scene.geom_ids[i] for i in members])
+        geoms = (geom_xpos[ids], geom_xmat[ids], jnp.asarray(scene.sizes[members]), jnp.asarray(scene.colors[members]))
+
+        def nearer(best, geom, hit=hit):
+            pos, rot, size, color = geom
+            t, n_local = hit((origin - pos) @ rot, rays @ rot, size)
+            best_t, best_n, best_c = best
+            closer = t < best_t
+            return (jnp.where(closer, t, best_t), jnp.where(closer[:, None], n_local @ rot.T, best_n),
+                    jnp.where(closer[:, None], color, best_c)), None
+
+        best, _ = jax.lax.scan(nearer, best, geoms)
+    return best
 
 
-def render_camera(scene: RaycastScene, cam_index: int, geom_xpos, geom_xmat, cam_xpos, cam_xmat,
-                  height: int, width: int, *, shadows: bool = True) -> jax.Array:
-    """RGB float32 [H, W, 3] in [0, 1] for camera ``scene.camera_ids[cam_index]`` of one world."""
-    cam = scene.camera_ids[cam_index]
-    rays = jnp.asarray(_camera_rays(float(scene.fovy[cam_index]), height, width)) @ cam_xmat[cam].T
-    origin = cam_xpos[cam]
+def camera_rays(scene: RaycastScene, height: int, width: int) -> np.ndarray:
+    """Unit ray directions of every camera in its own frame, [C, H*W, 3]."""
+    return np.stack([_camera_rays(float(f), height, width) for f in scene.fovy])
+
+
+def render_cameras(scene: RaycastScene, rays, geom_xpos, geom_xmat, cam_xpos, cam_xmat, height: int, width: int, *,
+                   shadows: bool = True) -> jax.Array:
+    """RGB float32 [C, H, W, 3] in [0, 1] of every camera of ``scene`` in one world.
+
+    ``rays``: :func:`camera_rays` of the scene. The cameras are vmapped: one compiled
+    camera whatever their number.
+    """
+    cams = np.asarray(scene.camera_ids)
+    return jax.vmap(lambda r, pos, mat: _shade(scene, r @ mat.T, pos, geom_xpos, geom_xmat, height, width,
+                                               shadows=shadows))(jnp.asarray(rays), cam_xpos[cams], cam_xmat[cams])
+
+
+def _shade(scene: RaycastScene, rays, origin, geom_xpos, geom_xmat, height: int, width: int, *, shadows: bool):
     best_t, best_n, best_c = _nearest_hit(scene, origin, rays, geom_xpos, geom_xmat)
     ambient, head_diffuse = (jnp.asarray(v, jnp.float32) for v in scene.headlight)
     facing_camera = jnp.abs(jnp.sum(best_n * rays, -1, keepdims=True))

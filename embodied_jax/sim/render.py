@@ -48,17 +48,15 @@ class RaycastRenderer:
                  shadows: bool = True):
         self.cameras, self.height, self.width, self.shadows = tuple(cameras), height, width, shadows
         self._scene = raycast.build_scene(model, self.cameras)
+        self._rays = raycast.camera_rays(self._scene, height, width)
 
     def __call__(self, data: mjx.Data) -> dict[str, jax.Array]:
         def one_world(geom_xpos, geom_xmat, cam_xpos, cam_xmat):
-            return [
-                raycast.render_camera(self._scene, i, geom_xpos, geom_xmat, cam_xpos, cam_xmat, self.height, self.width,
-                                      shadows=self.shadows)
-                for i in range(len(self.cameras))
-            ]
+            return raycast.render_cameras(self._scene, self._rays, geom_xpos, geom_xmat, cam_xpos, cam_xmat,
+                                          self.height, self.width, shadows=self.shadows)
 
-        images = jax.vmap(one_world)(data.geom_xpos, data.geom_xmat, data.cam_xpos, data.cam_xmat)
-        return {cam: _to_uint8(img) for cam, img in zip(self.cameras, images)}
+        images = jax.vmap(one_world)(data.geom_xpos, data.geom_xmat, data.cam_xpos, data.cam_xmat)  # [B, C, H, W, 3]
+        return {cam: _to_uint8(images[:, i]) for i, cam in enumerate(self.cameras)}
 
 
 class WarpRenderer:
