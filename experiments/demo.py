@@ -4,7 +4,7 @@
    LeRobot dataset (``embodied_jax.sim.collect``);
 2. build a small SentencePiece tokenizer for the prompts (the real π0.5 uses PaliGemma's);
 3. train a small π0.5-architecture policy on the dataset through the Grain pipeline
-   (``--model`` selects another architecture config, e.g. the GR00T one);
+   (the ``demo_gr00t`` experiment trains the GR00T-N1.5 architecture instead);
 4. load the checkpoint as a policy bundle (``embodied_jax.load_policy``) and evaluate it
    closed-loop in batched MJX; print the success rate and where videos and plots are.
 """
@@ -18,8 +18,10 @@ import time
 
 from embodied_jax.data.pipeline import DataConfig, SourceConfig
 from embodied_jax.data.samples import SampleSpec
-from embodied_jax.models.pi05 import Pi05Config
 from embodied_jax.models.gemma import GemmaConfig
+from embodied_jax.models.gr00t import Gr00tConfig
+from embodied_jax.models.gr00t_inputs import SPECIAL_TOKENS, eagle_prompt
+from embodied_jax.models.pi05 import Pi05Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
@@ -29,6 +31,8 @@ from experiments.sim_eval import SimEvaluation
 
 IMAGE = 32
 CAMERAS = (("observation.images.scene", "base_0_rgb"), ("observation.images.wrist", "left_wrist_0_rgb"))
+GR00T_CAMERAS = (("observation.images.scene", "ego_view"), ("observation.images.wrist", "wrist_view"))
+GR00T_PAD = "<|endoftext|>"
 COLLECT_NOISE = {"reach": 0.015}  # metres, per task (see DemoConfig.collect_noise)
 
 
@@ -43,6 +47,62 @@ def demo_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -
         action_horizon=horizon, max_action_dim=action_dim, action_dim=action_dim, max_state_dim=8,
         num_inference_steps=10, flow_samples_per_obs=4, dtype="float32",
     )
+
+
+def gr00t_vocabulary() -> list[str]:
+    """Word-level vocabulary of the GR00T demo: every word of the Eagle chat prompt around the
+    built-in tasks' instructions, then the chat/image special tokens and the pad token."""
+    from embodied_jax.sim.tasks import TASKS
+
+    words = set()
+    for cls in TASKS.values():
+        text = eagle_prompt(cls.instruction, num_images=len(GR00T_CAMERAS), image_tokens=1)
+        for special in SPECIAL_TOKENS:
+            text = text.replace(special, " ")
+        words.update(_whitespace_words(text))
+    return ["[UNK]", *sorted(words), *SPECIAL_TOKENS, GR00T_PAD]
+
+
+def _whitespace_words(text: str) -> list[str]:
+    """The ``tokenizers`` Whitespace pre-tokenizer's split: runs of word characters or of punctuation."""
+    import re
+
+    return re.findall(r"\w+|[^\w\s]+", text)
+
+
+def demo_gr00t_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -> Gr00tConfig:
+    """GR00T-N1.5 architecture at small width: Eagle (SigLIP, patch 8, + Qwen3), VL adapter, DiT.
+
+    Trained from scratch, so nothing is frozen (upstream fine-tuning freezes the backbone).
+    """
+    vocab = gr00t_vocabulary()
+    image_tokens = (image_size // 8) ** 2
+    return Gr00tConfig(
+        image_size=image_size, patch_size=8, vision_width=64, vision_layers=2, vision_heads=4, vision_mlp_dim=128,
+        cameras=tuple(slot for _, slot in GR00T_CAMERAS),
+        llm_width=64, llm_layers=2, select_layer=2, llm_heads=4, llm_kv_heads=1, llm_head_dim=16, llm_mlp_dim=128,
+        vocab_size=len(vocab), image_token_id=vocab.index("<IMG_CONTEXT>"),
+        max_token_len=len(GR00T_CAMERAS) * (image_tokens + 2) + 48,
+        action_dim=action_dim, action_horizon=horizon, max_state_dim=8, hidden_size=64, input_embedding_dim=64,
+        num_future_tokens=4, max_seq_len=32, dit_layers=2, dit_heads=4, dit_head_dim=16, dit_output_dim=64,
+        vl_layers=1, vl_heads=4, vl_head_dim=16, num_inference_steps=10, compute_dtype="float32",
+        tune_visual=True, tune_llm=True, synthetic_text_tokens=(24, 38),
+    )
+
+
+def build_gr00t_tokenizer(path: pathlib.Path) -> pathlib.Path:
+    """A word-level ``tokenizer.json`` over :func:`gr00t_vocabulary` (GR00T reads Qwen3's format)."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    vocab = gr00t_vocabulary()
+    plain = vocab[: -len(SPECIAL_TOKENS) - 1]
+    tokenizer = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(plain)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens([*SPECIAL_TOKENS, GR00T_PAD])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return path
 
 
 def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
@@ -93,7 +153,10 @@ class DemoConfig(ExperimentConfig):
             print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
             noise = COLLECT_NOISE.get(self.task, 0.0) if self.collect_noise is None else self.collect_noise
             collect(self.task, self.episodes, dataset, image_size=tuple(self.data.data.image_size), noise=noise)
-        tokenizer = build_tokenizer(workdir / "tokenizer.model", vocab_size=self.model.vocab_size)
+        if isinstance(self.model, Gr00tConfig):
+            tokenizer = build_gr00t_tokenizer(workdir / "tokenizer.json")
+        else:
+            tokenizer = build_tokenizer(workdir / "tokenizer.model", vocab_size=self.model.vocab_size)
         config = dataclasses.replace(
             self,
             model=dataclasses.replace(self.model, tokenizer_path=str(tokenizer)),
@@ -131,16 +194,28 @@ def demo() -> DemoConfig:
     return demo_config()
 
 
-def demo_config(image_size: int = IMAGE) -> DemoConfig:
-    """The demo at another (square) image size; dataset, model and evaluation agree on it."""
+@register("demo_gr00t", "the demo with a small GR00T-N1.5-architecture policy (Eagle backbone + DiT action head)")
+def demo_gr00t() -> DemoConfig:
+    return demo_config(arch="gr00t")
+
+
+def demo_config(image_size: int = IMAGE, arch: str = "pi05") -> DemoConfig:
+    """The demo at another (square) image size, with the π0.5 or the GR00T architecture;
+    dataset, model and evaluation agree on the image size."""
+    if arch not in ("pi05", "gr00t"):
+        raise ValueError(f"arch must be 'pi05' or 'gr00t', got {arch!r}")
+    gr00t = arch == "gr00t"
+    cameras = GR00T_CAMERAS if gr00t else CAMERAS
+    # GR00T normalises state and actions min-max to [-1, 1] (upstream); π0.5 uses quantiles.
+    norm = "min_max" if gr00t else "quantile"
     return DemoConfig(
-        name="demo",
-        model=demo_model(image_size=image_size),
+        name="demo_gr00t" if gr00t else "demo",
+        model=demo_gr00t_model(image_size=image_size) if gr00t else demo_model(image_size=image_size),
         data=LeRobotData(
-            DataConfig(sources=(), spec=SampleSpec(action_horizon=8, camera_keys=tuple(k for k, _ in CAMERAS)),
+            DataConfig(sources=(), spec=SampleSpec(action_horizon=8, camera_keys=tuple(k for k, _ in cameras)),
                        image_size=(image_size, image_size),
-                       norm_modes=(("observation.state", "quantile"), ("action", "quantile"))),
-            ModelInputs(cameras=CAMERAS),
+                       norm_modes=(("observation.state", norm), ("action", norm))),
+            ModelInputs(cameras=cameras),
         ),
         train=TrainConfig(steps=3000, batch_size=32, log_every=100, eval_every=1500, ema_decay=0.99),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=100, weight_decay=1e-4, clip_norm=1.0),
@@ -149,5 +224,5 @@ def demo_config(image_size: int = IMAGE) -> DemoConfig:
         metrics=MetricsConfig(progress_bar=True),
         # Replanning after every executed action: the policy corrects its aim as the ball comes into the wrist view.
         evaluation=SimEvaluation(task="reach", num_envs=32, execute_steps=1, image_size=(image_size, image_size)),
-        workdir="runs/demo",
+        workdir="runs/demo_gr00t" if gr00t else "runs/demo",
     )

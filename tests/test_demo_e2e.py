@@ -70,3 +70,23 @@ def test_policy_bundle_predicts_unnormalised_actions(demo_run):
     obs = bundle.preprocess(raw)
     assert obs["images"]["base_0_rgb"].shape == (1, IMAGE, IMAGE, 3)
     assert obs["tokens"].shape == (1, bundle.config.model.max_token_len) and obs["token_mask"][0, 0]
+
+
+def test_gr00t_demo_prompts_tokenize_without_unknown_words(tmp_path):
+    """``demo_gr00t``: its word-level tokenizer covers the Eagle prompt of every built-in task, and the
+    config's image-token id, vocabulary and prompt length agree with it."""
+    from embodied_jax.sim.tasks import TASKS
+    from experiments.demo import GR00T_CAMERAS, build_gr00t_tokenizer
+
+    config = demo_config(arch="gr00t")
+    model = dataclasses.replace(config.model, tokenizer_path=str(build_gr00t_tokenizer(tmp_path / "tokenizer.json")))
+    builder = model.input_builder()  # checks the special tokens and the <IMG_CONTEXT> id
+    assert builder.tokenizer.vocab_size == model.vocab_size
+    for task in TASKS.values():
+        tokens, mask = builder.tokenize(task.instruction)
+        ids = tokens[mask]
+        assert (ids != 0).all(), task.name  # id 0 is [UNK]
+        assert (ids == model.image_token_id).sum() == len(GR00T_CAMERAS) * model.image_tokens
+    assert config.data.data.norm_modes == (("observation.state", "min_max"), ("action", "min_max"))
+    with pytest.raises(ValueError, match="arch"):
+        demo_config(arch="rt2")
