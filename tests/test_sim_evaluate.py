@@ -9,6 +9,7 @@ hand across the workspace, through some targets.) Both share one compiled evalua
 action table is the ``params`` argument).
 """
 import json
+import logging
 import math
 import types
 
@@ -19,6 +20,7 @@ import pytest
 
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import evaluate as eval_lib
+from embodied_jax.sim import render as render_lib
 from tests.sim_reference import BATCH, EXPERT_EPISODES, reference_rollout
 
 NUM_ENVS, HORIZON, EXECUTE = BATCH, 8, 5
@@ -96,7 +98,7 @@ def test_results_json_videos_and_grid_written(setup):
     assert grid.shape == (2 * 32 + 2, 4 * 32 + 3 * 2, 3) and grid.std() > 5
 
 
-def test_sharded_evaluation_over_data_axis_matches(setup):
+def test_sharded_evaluation_over_data_axis_matches(setup, caplog):
     env, reference = setup.env, setup.reference
     devices = np.array(jax.devices()[:4])
     mesh = jax.sharding.Mesh(devices, ("data",))
@@ -110,7 +112,10 @@ def test_sharded_evaluation_over_data_axis_matches(setup):
         first = jax.lax.axis_index("data") * local
         return replay_act(jax.lax.dynamic_slice_in_dim(table, first, local, 1), observation, rng)
 
-    sharded = eval_lib.Evaluator(env, shard_replay, config, mesh=mesh)
+    with caplog.at_level(logging.WARNING, logger=eval_lib.__name__):
+        sharded = eval_lib.Evaluator(env, shard_replay, config, mesh=mesh)
+    # The default renderer is Warp where installed: sharded over CPU devices it falls back, and says so.
+    assert ("ray-caster" in caplog.text) == render_lib.warp_available()
     result = sharded.rollout(jax.random.key(SEED), params=jnp.asarray(reference.action[:, :SHARDED_ENVS]))
     assert result.success.sharding.spec[0] == "data"
     whole = setup.replay_rollout

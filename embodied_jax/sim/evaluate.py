@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
@@ -42,6 +43,7 @@ from embodied_jax.sim import media
 from embodied_jax.sim import render as render_lib
 
 ActFn = Callable[..., jax.Array]
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,9 @@ class Evaluator:
         if kind == "warp" and shards > 1 and jax.devices()[0].platform == "cpu":
             if self.env.config.renderer == "warp":
                 raise ValueError("renderer='warp' cannot run sharded over several CPU devices; use 'raycast' or 'auto'")
+            log.warning("evaluating %s sharded over %d CPU devices with the ray-caster (Warp cannot shard over CPU "
+                        "devices): its images differ slightly from Warp-rendered ones, such as collected datasets",
+                        self.env.name, shards)
             kind = "raycast"
         return kind
 
