@@ -16,7 +16,7 @@ from embodied_jax.train.config import SyntheticData
 from embodied_jax.train.step import jit_train_step, make_train_step
 from experiments import launch
 from experiments.toy_flow_policy import ToyFlowConfig, ToyFlowPolicy
-from tests.train_utils import TOY, losses, toy_config
+from tests.train_utils import TOY, losses, replace_train, toy_config
 
 MESHES = {
     "data8": MeshConfig(data=8),
@@ -250,3 +250,25 @@ def test_ema_tracks_parameters(tmp_path):
     _, before, after, _ = _run_steps(config, steps=2)
     expected = 0.5 * np.asarray(before.ema["out"]["kernel"]) + 0.5 * np.asarray(after.params["out"]["kernel"])
     np.testing.assert_allclose(np.asarray(after.ema["out"]["kernel"]), expected, rtol=1e-6, atol=1e-7)
+
+
+class _RecordWeights:
+    """An in-training evaluation that keeps the output kernel of the model it is given."""
+
+    def __init__(self):
+        self.kernels = {}
+
+    def evaluate(self, model, step, *, config, norm_stats):
+        self.kernels[step] = np.asarray(model.out.kernel[...])
+        return {"score": float(step)}
+
+
+def test_in_training_evaluation_sees_the_ema_weights(tmp_path):
+    config = toy_config(tmp_path, mesh=MeshConfig(data=8), ema_decay=0.5)
+    _, _, after, _ = _run_steps(config, steps=2)
+    recorder = _RecordWeights()
+    result = loop.train(dataclasses.replace(replace_train(config, steps=2, eval_every=2), evaluation=recorder))
+    ema, raw = np.asarray(after.ema["out"]["kernel"]), np.asarray(after.params["out"]["kernel"])
+    np.testing.assert_allclose(recorder.kernels[2], ema, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(ema, raw)
+    assert any(h.get("eval/score") == 2.0 for h in result.history)

@@ -225,7 +225,9 @@ def train(config: ExperimentConfig) -> RunResult:
                 writer.advance()
                 done = step + 1
                 if config.evaluation is not None and t.eval_every and done % t.eval_every == 0:
-                    model = rt.parts.merge(state.params, state.frozen, state.fp8, state.other)
+                    # The weights a policy bundle serves: the EMA when the run keeps one.
+                    params = state.params if state.ema is None else state.ema
+                    model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
                     scores = config.evaluation.evaluate(model, done, config=config, norm_stats=norm_stats)
                     writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
                 preempted = stop.signum is not None or (ckpt is not None and ckpt.reached_preemption(done))
