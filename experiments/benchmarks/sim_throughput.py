@@ -2,13 +2,15 @@
 
     python -m experiments.benchmarks.sim_throughput [--task reach] [--batches 1 64 256]
                                                     [--image-size 64] [--baseline-episodes 4]
+                                                    [--policy CKPT_DIR]
 
 1. Environment steps/s without a policy (scripted expert actions, no rendering), B worlds:
    MJX JAX backend vs MJX Warp backend (both one jitted ``lax.scan``) vs plain
    ``mujoco.mj_step`` looping over the same B environments on the CPU.
 2. Closed-loop evaluation episodes/s with rendering (scene + wrist cameras) and a small
    image+state policy (fixed random weights; a stand-in with the demo policy's inputs and
-   outputs), action chunks of H=10 with k=5 executed: the batched evaluator at B = 1, 64,
+   outputs; ``--policy`` loads a trained one instead, e.g. the demo's ``runs/demo``, through
+   ``load_policy``), action chunks of H=10 with k=5 executed: the batched evaluator at B = 1, 64,
    256 vs the way LeRobot / Isaac-GR00T evaluate (one CPU ``mj_step`` environment per
    loop, policy called with batch 1 at every replan, images rendered per environment).
    The per-environment renderer is MuJoCo's OpenGL renderer when a GL context can be
@@ -103,9 +105,9 @@ def numpy_ctrl(task: tasks_lib.Task, action: np.ndarray, ctrl: np.ndarray) -> np
     return ctrl
 
 
-def batched_episodes_per_s(env: env_lib.Env, batch: int) -> tuple[float, float]:
+def batched_episodes_per_s(env: env_lib.Env, batch: int, act) -> tuple[float, float]:
     config = eval_lib.EvalConfig(num_envs=batch, execute_steps=EXECUTE, num_videos=0)
-    evaluator = eval_lib.Evaluator(env, trivial_policy(env), config)
+    evaluator = eval_lib.Evaluator(env, act, config)
     seconds = _timed(evaluator.rollout, jax.random.key(1))
     return batch / seconds, seconds
 
@@ -130,10 +132,10 @@ def _per_env_renderer(env: env_lib.Env):
         return (lambda model, data: jitted(mjx.put_data(model, data))), f"{renderer.kind} renderer, 1 world"
 
 
-def loop_episodes_per_s(env: env_lib.Env, episodes: int) -> tuple[float, str]:
+def loop_episodes_per_s(env: env_lib.Env, episodes: int, act) -> tuple[float, str]:
     """One CPU MuJoCo env per loop, policy at batch 1 at each replan, per-env rendering."""
     task, model = env.task, env.mj_model
-    act = jax.jit(trivial_policy(env))
+    act = jax.jit(act)
     reset = jax.jit(env.reset)
     success = jax.jit(lambda qpos, info: task.success(types.SimpleNamespace(qpos=qpos), info))
     render, how = _per_env_renderer(env)
@@ -172,8 +174,17 @@ def main(argv=None) -> None:
     parser.add_argument("--physics-batch", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--baseline-episodes", type=int, default=4)
+    parser.add_argument("--policy", default=None, metavar="CKPT_DIR",
+                        help="a trained policy (load_policy); its image size replaces --image-size")
     args = parser.parse_args(argv)
-    print(f"devices: {jax.devices()}  task: {args.task}  image {args.image_size}^2")
+    bundle = None
+    if args.policy:
+        from embodied_jax import load_policy
+
+        bundle = load_policy(args.policy)
+        args.image_size = bundle.data_config.image_size[0]
+    policy = "trivial stand-in" if bundle is None else f"{type(bundle.config.model).__name__} from {args.policy}"
+    print(f"devices: {jax.devices()}  task: {args.task}  image {args.image_size}^2  policy: {policy}")
 
     steps = physics_steps(args.task, args.physics_batch)
     print(f"\n[env steps/s, no policy, no rendering, B={args.physics_batch}, "
@@ -184,11 +195,13 @@ def main(argv=None) -> None:
           f"   Warp/mj_step {steps['warp'] / steps['mj_step']:.2f}")
 
     env = env_lib.Env(args.task, env_lib.EnvConfig(image_size=(args.image_size, args.image_size)))
-    baseline, how = loop_episodes_per_s(env, args.baseline_episodes)
-    print(f"\n[closed-loop episodes/s with rendering, H={HORIZON}, k={EXECUTE}, cameras {env.cameras}]")
+    act = trivial_policy(env) if bundle is None else bundle.act_fn(env.instruction)
+    baseline, how = loop_episodes_per_s(env, args.baseline_episodes, act)
+    horizon = HORIZON if bundle is None else bundle.config.model.action_horizon
+    print(f"\n[closed-loop episodes/s with rendering, H={horizon}, k={EXECUTE}, cameras {env.cameras}]")
     print(f"  one env per loop (mj_step, batch-1 policy, {how}): {baseline:.3f} episodes/s")
     for batch in args.batches:
-        rate, seconds = batched_episodes_per_s(env, batch)
+        rate, seconds = batched_episodes_per_s(env, batch, act)
         print(f"  batched MJX B={batch:4d}: {rate:8.3f} episodes/s ({seconds:.2f} s)   ratio vs loop {rate / baseline:7.1f}x")
 
 
