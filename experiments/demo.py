@@ -49,25 +49,27 @@ def demo_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -
     )
 
 
-def gr00t_vocabulary() -> list[str]:
-    """Word-level vocabulary of the GR00T demo: every word of the Eagle chat prompt around the
-    built-in tasks' instructions, then the chat/image special tokens and the pad token."""
+def gr00t_words() -> list[str]:
+    """The plain words of the GR00T demo's vocabulary: ``[UNK]``, then every word (as the
+    ``tokenizers`` Whitespace pre-tokenizer splits them) of the Eagle chat prompt around the
+    built-in tasks' instructions."""
+    from tokenizers import pre_tokenizers
+
     from embodied_jax.sim.tasks import TASKS
 
+    split = pre_tokenizers.Whitespace()
     words = set()
     for cls in TASKS.values():
         text = eagle_prompt(cls.instruction, num_images=len(GR00T_CAMERAS), image_tokens=1)
         for special in SPECIAL_TOKENS:
             text = text.replace(special, " ")
-        words.update(_whitespace_words(text))
-    return ["[UNK]", *sorted(words), *SPECIAL_TOKENS, GR00T_PAD]
+        words.update(word for word, _ in split.pre_tokenize_str(text))
+    return ["[UNK]", *sorted(words)]
 
 
-def _whitespace_words(text: str) -> list[str]:
-    """The ``tokenizers`` Whitespace pre-tokenizer's split: runs of word characters or of punctuation."""
-    import re
-
-    return re.findall(r"\w+|[^\w\s]+", text)
+def gr00t_vocabulary() -> list[str]:
+    """The GR00T demo's vocabulary in id order: the plain words, the chat/image special tokens, the pad token."""
+    return [*gr00t_words(), *SPECIAL_TOKENS, GR00T_PAD]
 
 
 def demo_gr00t_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -> Gr00tConfig:
@@ -76,18 +78,17 @@ def demo_gr00t_model(action_dim: int = 4, horizon: int = 8, image_size: int = IM
     Trained from scratch, so nothing is frozen (upstream fine-tuning freezes the backbone).
     """
     vocab = gr00t_vocabulary()
-    image_tokens = (image_size // 8) ** 2
-    return Gr00tConfig(
+    config = Gr00tConfig(
         image_size=image_size, patch_size=8, vision_width=64, vision_layers=2, vision_heads=4, vision_mlp_dim=128,
         cameras=tuple(slot for _, slot in GR00T_CAMERAS),
         llm_width=64, llm_layers=2, select_layer=2, llm_heads=4, llm_kv_heads=1, llm_head_dim=16, llm_mlp_dim=128,
         vocab_size=len(vocab), image_token_id=vocab.index("<IMG_CONTEXT>"),
-        max_token_len=len(GR00T_CAMERAS) * (image_tokens + 2) + 48,
         action_dim=action_dim, action_horizon=horizon, max_state_dim=8, hidden_size=64, input_embedding_dim=64,
         num_future_tokens=4, max_seq_len=32, dit_layers=2, dit_heads=4, dit_head_dim=16, dit_output_dim=64,
         vl_layers=1, vl_heads=4, vl_head_dim=16, num_inference_steps=10, compute_dtype="float32",
         tune_visual=True, tune_llm=True, synthetic_text_tokens=(24, 38),
     )
+    return dataclasses.replace(config, max_token_len=config.image_block_tokens + 48)  # + chat template and task
 
 
 def build_gr00t_tokenizer(path: pathlib.Path) -> pathlib.Path:
@@ -95,9 +96,7 @@ def build_gr00t_tokenizer(path: pathlib.Path) -> pathlib.Path:
     import tokenizers
     from tokenizers import models, pre_tokenizers
 
-    vocab = gr00t_vocabulary()
-    plain = vocab[: -len(SPECIAL_TOKENS) - 1]
-    tokenizer = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(plain)}, unk_token="[UNK]"))
+    tokenizer = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(gr00t_words())}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens([*SPECIAL_TOKENS, GR00T_PAD])
     path.parent.mkdir(parents=True, exist_ok=True)

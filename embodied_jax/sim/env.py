@@ -194,7 +194,7 @@ class Env(Cameras):
         # A simulation that blew up (e.g. an object flung by a wild policy) ends the episode as a
         # failure and keeps the last finite state, so NaNs never reach observations or metrics.
         diverged = ~(jnp.isfinite(data.qpos).all() & jnp.isfinite(data.qvel).all())
-        data = _select(diverged, state.data, data)
+        data = select_tree(diverged, state.data, data)
         success = state.success | (self.task.success(data, state.info) & ~diverged)
         step = state.step + 1
         new = EnvState(
@@ -205,7 +205,7 @@ class Env(Cameras):
             success=success,
             done=success | diverged | (step >= self.episode_limit),
         )
-        return _select(state.done, state, new)
+        return select_tree(state.done, state, new)
 
     # --- observations (batched) ----------------------------------------------------
     def robot_state(self, states: EnvState) -> jax.Array:
@@ -226,7 +226,7 @@ def current_kinematics(model, data: mjx.Data, physics: str) -> mjx.Data:
     return jax.vmap(lambda d: mjx.camlight(model, mjx.kinematics(model, d)))(data)
 
 
-def _select(pred: jax.Array, old, new):
+def select_tree(pred: jax.Array, old, new):
     """``old`` where ``pred`` else ``new``, leaf by leaf. Backend-private ``mjx.Data._impl``
     buffers (contacts, solver scratch; Warp's in/out FFI buffers) always come from ``new``."""
     def pick(o, n):

@@ -128,14 +128,14 @@ class PlaygroundEnv(env_lib.Cameras):
         pg = self._pg.step(old, action)
         # As in Env: a blown-up simulation ends the episode as a failure and keeps the last finite state.
         diverged = ~(jnp.isfinite(pg.data.qpos).all() & jnp.isfinite(pg.data.qvel).all())
-        pg = env_lib._select(diverged, old, pg)
+        pg = env_lib.select_tree(diverged, old, pg)
         success = state.success | (self._succeeded(pg) & ~diverged)
         step = state.step + 1
         new = env_lib.EnvState(data=pg.data, info={"playground": pg}, step=step,
                                reward=jnp.where(diverged, 0.0, jnp.asarray(pg.reward, jnp.float32)),
                                success=success,
                                done=success | diverged | (pg.done > 0) | (step >= self.episode_limit))
-        return env_lib._select(state.done, state, new)
+        return env_lib.select_tree(state.done, state, new)
 
     def _succeeded(self, pg) -> jax.Array:
         return jnp.asarray(self._success_fn(pg)).astype(bool)
