@@ -5,6 +5,12 @@ Episodes are converted in parallel — a local process pool by default, a Ray cl
 reader (the same timestamp lookup training uses), resized with the pipeline's resize, written,
 read back and checksummed before its `done` marker is written, so an interrupted conversion
 resumes where it stopped: episodes with a marker are skipped.
+
+On Ray (`pip install ray`), the driver ships its own `embodied_jax` package to the workers
+(runtime_env `py_modules`), so the nodes need only ray and the requirements.txt packages, and
+SOURCE and DESTINATION must be paths every node sees (a shared filesystem). A task whose
+worker dies is retried; episodes that still fail are named in the error, and a re-run
+converts only them.
 """
 from __future__ import annotations
 
@@ -63,6 +69,7 @@ def _summary(dataset: LeRobotDataset, image_size: tuple[int, int] | None, source
 
 
 _WORKER_DATASETS: dict[str, LeRobotDataset] = {}
+RAY_TASK_RETRIES = 3  # Ray re-runs an episode this often when its worker process or node dies
 
 
 def convert_episode(source: str, destination: str, episode_index: int, image_size: tuple[int, int] | None,
@@ -125,13 +132,8 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, image_
     args = [(str(source), str(destination), e, tuple(image_size) if image_size else None, tolerance_s, zstd_level)
             for e in todo]
     frames = 0
-    if ray_address:
-        import ray  # optional dependency, only for cluster conversion
-
-        ray.init(address=ray_address, ignore_reinit_error=True)
-        remote = ray.remote(convert_episode)
-        for episode, length in ray.get([remote.remote(*a) for a in args]):
-            frames += length
+    if ray_address and args:
+        frames = _convert_on_ray(ray_address, args)
     elif (workers or 1) <= 1 or len(args) <= 1:
         for a in args:
             frames += convert_episode(*a)[1]
@@ -147,6 +149,36 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, image_
 
 def convert_episode_star(args: tuple) -> tuple[int, int]:
     return convert_episode(*args)
+
+
+def _convert_on_ray(address: str, args: list[tuple]) -> int:
+    """Runs `convert_episode` for each of `args` as Ray tasks; returns the frames written."""
+    import ray  # optional dependency, only for cluster conversion
+
+    import embodied_jax
+
+    connect = not ray.is_initialized()  # a caller's own connection (and runtime_env) is kept
+    if connect:
+        ray.init(address=address, runtime_env={"py_modules": [str(pathlib.Path(embodied_jax.__file__).parent)]})
+    try:
+        # errors raised by the conversion itself (a bad video) are not retried
+        remote = ray.remote(max_retries=RAY_TASK_RETRIES)(convert_episode)
+        tasks = [(a[2], remote.remote(*a)) for a in args]
+        frames, failed = 0, {}
+        for episode, task in tasks:  # every result, so that one failure does not stop the other episodes
+            try:
+                frames += ray.get(task)[1]
+            except ray.exceptions.RayError as exc:
+                failed[episode] = exc
+    finally:
+        if connect:
+            ray.shutdown()
+    if failed:
+        first = min(failed)
+        raise fs.FrameStoreError(f"episodes {sorted(failed)} failed on the Ray cluster at {address} (episode {first}: "
+                                 f"{failed[first]}); finished episodes are kept: run the conversion again to "
+                                 f"retry the others") from failed[first]
+    return frames
 
 
 def main(argv: Sequence[str] | None = None) -> int:
