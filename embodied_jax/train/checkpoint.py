@@ -26,24 +26,40 @@ log = logging.getLogger(__name__)
 
 
 class IteratorStateHandler(ocp.CheckpointHandler):
-    """Each process writes and reads its own data-iterator state (``process_i-of-n.json``)."""
+    """Each process writes and reads its own data-iterator state (``process_i-of-n.json``).
+
+    A data pipeline's position is per process (its shard of the data), so it restores only
+    with the process count that wrote it; anything else is an error. An iterator whose
+    ``layout_independent_state`` is true (the synthetic one: its state is the step) writes
+    the same state on every process and restores under any number of processes.
+    """
 
     def save(self, directory: epath.Path, args: "IteratorSave") -> None:
         state = args.iterator.get_state()
         if isinstance(state, bytes):
             state = {"__bytes__": base64.b64encode(state).decode()}
-        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        (directory / name).write_text(json.dumps(state))
+        (directory / _state_file(jax.process_index(), jax.process_count())).write_text(json.dumps(state))
 
     def restore(self, directory: epath.Path, args: "IteratorRestore") -> Any:
-        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        path = directory / name
-        if not path.exists():
-            raise FileNotFoundError(
-                f"{path}: no data-iterator state for this process; the checkpoint was written by a "
-                f"different number of processes than the {jax.process_count()} running now"
-            )
-        state = json.loads(path.read_text())
+        path = directory / _state_file(jax.process_index(), jax.process_count())
+        if path.exists():
+            state = json.loads(path.read_text())
+        else:
+            written = sorted(p.name for p in directory.glob("process_*-of-*.json"))
+            if not written:
+                raise FileNotFoundError(f"{directory}: the checkpoint holds no data-iterator state")
+            if not getattr(args.iterator, "layout_independent_state", False):
+                counts = sorted({n.rsplit("-of-", 1)[1].removesuffix(".json") for n in written})
+                raise FileNotFoundError(
+                    f"{path}: no data-iterator state for this process; the checkpoint was written by "
+                    f"{' and '.join(counts)} processes, not the {jax.process_count()} running now, and a data "
+                    f"pipeline's position is per process: it resumes only with the same number of processes"
+                )
+            states = [json.loads((directory / n).read_text()) for n in written]
+            if any(s != states[0] for s in states):
+                raise ValueError(f"{directory}: the processes saved different iterator states, "
+                                 f"which a layout-independent iterator never does: {dict(zip(written, states))}")
+            state = states[0]
         if isinstance(state, dict) and set(state) == {"__bytes__"}:
             state = base64.b64decode(state["__bytes__"])
         args.iterator.set_state(state)
@@ -60,6 +76,10 @@ class IteratorStateHandler(ocp.CheckpointHandler):
 
     def close(self):
         pass
+
+
+def _state_file(process_index: int, process_count: int) -> str:
+    return f"process_{process_index}-of-{process_count}.json"
 
 
 @ocp.args.register_with_handler(IteratorStateHandler, for_save=True)

@@ -14,6 +14,10 @@ class SyntheticIterator:
     8 devices sees the same global batches as two processes with 4 each.
     """
 
+    # The state is the same on every process and for any process count: a checkpoint
+    # restores under another number of processes (see ``IteratorStateHandler``).
+    layout_independent_state = True
+
     def __init__(self, model: Any, process_index: int, process_count: int, batch_size: int, seed: int):
         if batch_size % process_count:
             raise ValueError(f"train.batch_size={batch_size} is not divisible by {process_count} processes")
