@@ -29,7 +29,6 @@ import numpy as np
 from flax import nnx
 
 from embodied_jax.parallel.mesh import MeshConfig
-from embodied_jax.parallel.sharding import mesh_context
 
 
 def _stack(samples: list[dict]) -> dict:
@@ -203,6 +202,6 @@ def load_policy(ckpt_dir: str | pathlib.Path, *, step: int | None = None, use_em
     finally:
         ckpt.close()
     params = state.ema if (use_ema and state.ema is not None) else state.params
-    with mesh_context(rt.mesh):
+    with rt.context():
         model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
     return PolicyBundle(config, model, norm_stats, step=step)

@@ -55,11 +55,16 @@ def _experiment(name: str, model: Gr00tConfig, *, train: TrainConfig, optimizer:
     )
 
 
+# Full size: layer stacks keep only each attention's q, k, v and output for the backward pass
+# (``nn.stack``); under FSDP a stack without remat would keep every layer's gathered weights.
+FULL_MODEL = Gr00tConfig(remat_policy="save_attention")
+
+
 @register("gr00t_n15", "GR00T-N1.5-3B at full size (bf16 compute, upstream finetune freezing); use --init-from")
 def gr00t_n15() -> ExperimentConfig:
     steps = 10_000
     return _experiment(
-        "gr00t_n15", Gr00tConfig(),
+        "gr00t_n15", FULL_MODEL,
         train=TrainConfig(steps=steps, batch_size=32, log_every=10),
         optimizer=dict(_UPSTREAM_OPT, warmup_steps=steps // 20),
         mesh=MeshConfig(data=1, fsdp=-1),
@@ -131,7 +136,7 @@ def gr00t_finetune() -> ExperimentConfig:
     are ``--model.cameras``; ``--data.data.spec.camera-keys`` limits decoding to the cameras used.
     """
     steps = 10_000
-    model = Gr00tConfig()
+    model = FULL_MODEL
     return dataclasses.replace(
         _experiment(
             "gr00t_finetune", model,

@@ -10,13 +10,15 @@ weights.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from embodied_jax.bundle import PolicyBundle
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
-from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator
+
+if TYPE_CHECKING:
+    from embodied_jax.sim import Evaluator
 
 _EVALUATORS: dict[tuple, tuple[Evaluator, PolicyBundle]] = {}
 
@@ -31,6 +33,8 @@ class SimEvaluation:
 
     def evaluator(self, bundle: PolicyBundle, *, num_videos: int = 0, mesh=None) -> tuple[Evaluator, Any]:
         """``mesh``: split the environments over its ``data`` axis (see ``sim.Evaluator``)."""
+        from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator  # MJX: imported when first used
+
         env = Env(self.task, EnvConfig(image_size=tuple(self.image_size)))
         act, params = bundle.act_fn(env.instruction, with_params=True)
         config = EvalConfig(num_envs=self.num_envs, execute_steps=self.execute_steps, num_videos=num_videos,

@@ -52,7 +52,7 @@ def test_global_batch_is_sharded_over_data_axes():
     local = {"x": np.arange(16 * 3, dtype=np.float32).reshape(16, 3)}
     arr = global_batch(local, mesh)["x"]
     assert arr.shape == (16, 3)
-    assert arr.sharding.spec[0] == ("data", "fsdp")
+    assert arr.sharding.spec[0] == ("data", "fsdp_0", "fsdp_1")  # fsdp=4 as its prime parts
     assert arr.addressable_shards[0].data.shape == (2, 3)
     np.testing.assert_array_equal(np.asarray(arr), local["x"])
 

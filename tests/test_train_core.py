@@ -10,10 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from embodied_jax.parallel.mesh import MeshConfig
-from embodied_jax.parallel.sharding import global_batch, mesh_context
+from embodied_jax.parallel.sharding import global_batch
 from embodied_jax.train import loop
 from embodied_jax.train.config import SyntheticData
-from embodied_jax.train.step import jit_train_step, make_train_step
 from experiments import launch
 from experiments.toy_flow_policy import ToyFlowConfig, ToyFlowPolicy
 from tests.train_utils import TOY, losses, replace_train, toy_config
@@ -22,7 +21,7 @@ MESHES = {
     "data8": MeshConfig(data=8),
     "fsdp8": MeshConfig(data=1, fsdp=8),
     "data2_fsdp4": MeshConfig(data=2, fsdp=4),
-    "data2_fsdp2_tensor2": MeshConfig(data=2, fsdp=2, tensor=2),
+    "data2_fsdp2_tensor2": MeshConfig(data=2, fsdp=2, tensor=2, rules=("tensor_parallel",)),
 }
 
 
@@ -45,12 +44,12 @@ def test_same_losses_on_every_mesh(mesh_losses):
 
 
 def test_parameter_shardings_follow_the_rules(tmp_path):
-    rt = loop.build(toy_config(tmp_path, mesh=MeshConfig(data=2, fsdp=2, tensor=2)))
+    rt = loop.build(toy_config(tmp_path, mesh=MeshConfig(data=2, fsdp=2, tensor=2, rules=("tensor_parallel",))))
     sh = rt.shardings
     assert sh.params["blocks"][0][0]["kernel"].spec == P("fsdp", "tensor")  # ("embed", "mlp")
     assert sh.params["blocks"][0][1]["kernel"].spec == P("tensor", "fsdp")  # ("mlp", "embed")
     assert sh.params["inp"]["kernel"].spec == P(None, "fsdp")
-    assert sh.params["out"]["bias"].spec == P(None)
+    assert sh.params["out"]["bias"].spec == P("fsdp")  # ("channels",): spread over fsdp, which the rules leave free
     # Adam moments are sharded like their parameters.
     mu = rt.shardings.opt_state[1][0].mu
     assert mu["blocks"][0][0]["kernel"].spec == P("fsdp", "tensor")
@@ -67,16 +66,15 @@ def nan_setup(tmp_path_factory):
     state = loop.initial_state(rt)
     batch = config.model.synthetic_batch(16)
     batch["state"][3, 0] = np.nan
-    with mesh_context(rt.mesh):
-        device_batch = global_batch(batch, rt.mesh)
-        step = jit_train_step(make_train_step(rt.parts, rt.tx, rt.schedule, config.train, rt.mesh),
-                              rt.shardings, device_batch, rt.mesh)
+    with rt.context():
+        device_batch = global_batch(batch, rt.mesh, rt.rules)
+        step = rt.step_function(device_batch)
     return rt, state, device_batch, step
 
 
 def test_non_finite_batch_leaves_state_untouched(nan_setup):
     rt, state, batch, step = nan_setup
-    with mesh_context(rt.mesh):
+    with rt.context():
         state, _ = step(state, batch)  # compile outside the transfer guard
         before = jax.device_get(state)
         with jax.transfer_guard("disallow"):
@@ -173,12 +171,11 @@ def _run_steps(config, steps=2):
     state = loop.initial_state(rt)
     it = config.data.make_iterator(model=config.model, process_index=0, process_count=1,
                                    batch_size=config.train.batch_size, seed=config.train.seed)
-    with mesh_context(rt.mesh):
+    with rt.context():
         step = None
         for _ in range(steps):
-            batch = global_batch(next(it), rt.mesh)
-            step = step or jit_train_step(make_train_step(rt.parts, rt.tx, rt.schedule, config.train, rt.mesh),
-                                          rt.shardings, batch, rt.mesh)
+            batch = global_batch(next(it), rt.mesh, rt.rules)
+            step = step or rt.step_function(batch)
             before = jax.device_get(state)  # the step donates its input
             state, metrics = step(state, batch)
     return rt, before, state, metrics

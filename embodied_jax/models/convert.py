@@ -94,13 +94,12 @@ def _mesh():
 
 def abstract_params(config, mesh):
     """The parameter pure dict of ``config.make`` as ShapeDtypeStructs (no memory) and its shardings."""
-    from embodied_jax.parallel.sharding import mesh_context
+    from embodied_jax.parallel.sharding import state_shardings
 
-    with mesh_context(mesh):
+    with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: config.make(nnx.Rngs(0)))
-        params = nnx.state(model, nnx.Param)
-        shardings = nnx.get_named_sharding(params, mesh)
-    return nnx.to_pure_dict(params), nnx.to_pure_dict(shardings)
+    params = nnx.state(model, nnx.Param)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(state_shardings(params, mesh))
 
 
 def to_orbax(src, out, config, layout: Layout, mesh=None) -> Path:

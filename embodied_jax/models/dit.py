@@ -39,6 +39,7 @@ from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import timestep_embedding
 from embodied_jax.nn.norms import AdaLayerNorm, LayerNorm, layer_normalize
 from embodied_jax.nn.stack import PerLayer, build_stack, run_stack
+from embodied_jax.parallel.partition import shard_tokens
 
 
 def dropout(x, rate: float, key):
@@ -108,7 +109,7 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x, key=None):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
-        h = dropout(jax.nn.gelu(self.proj_in(x), approximate=True), self.rate, k1)
+        h = shard_tokens(dropout(jax.nn.gelu(self.proj_in(x), approximate=True), self.rate, k1), "act_mlp")
         return dropout(self.proj_out(h), self.rate, k2)
 
 
@@ -139,8 +140,8 @@ class BasicTransformerBlock(nnx.Module):
         else:
             h = self.attn1(h, q_segment_ids)
         k_attn, k_ff = jax.random.split(key) if key is not None else (None, None)
-        x = x + dropout(h, 1.0 - (1.0 - self.rate) ** 2, k_attn).astype(x.dtype)
-        return x + self.ff(self.norm3(x), k_ff).astype(x.dtype)
+        x = shard_tokens(x + dropout(h, 1.0 - (1.0 - self.rate) ** 2, k_attn).astype(x.dtype))
+        return shard_tokens(x + self.ff(self.norm3(x), k_ff).astype(x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +233,7 @@ class DiT(nnx.Module):
     def __call__(self, x, timesteps, context, *, q_segment_ids, kv_segment_ids, context_index=None, key=None):
         """x [B, T, D]; timesteps int [B]; context [R, S, Dc]; q_segment_ids [B, T] (the
         sample's segment in its context row); kv_segment_ids [B, S] (already per sample)."""
-        temb = self.timestep_encoder(timesteps)
+        temb = shard_tokens(self.timestep_encoder(timesteps))  # [B, D]: split like the batch, not the weights
         self_segment_ids = jnp.ones(x.shape[:2], jnp.int32)
         keys = PerLayer(jax.random.split(key, self.num_steps)) if key is not None else None
         x = run_stack(

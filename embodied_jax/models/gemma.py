@@ -30,6 +30,7 @@ from embodied_jax.nn.mlp import GatedMLP
 from embodied_jax.nn.norms import AdaRMSNorm, RMSNorm
 from embodied_jax.nn.rope import apply_rope
 from embodied_jax.nn.stack import PerLayer, build_stack, run_stack
+from embodied_jax.parallel.partition import shard_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +161,9 @@ class JointGemmaLayer(nnx.Module):
             t = x.shape[1]
             attn_out = block.self_attn.o_proj(out[:, start:start + t])
             start += t
-            x = _gated(x, attn_out.astype(x.dtype), gate)
+            x = shard_tokens(_gated(x, attn_out.astype(x.dtype), gate))
             h, gate2 = _apply_norm(block.post_attention_layernorm, x, cond)
-            x = _gated(x, block.mlp(h).astype(x.dtype), gate2)
+            x = shard_tokens(_gated(x, block.mlp(h).astype(x.dtype), gate2))
             new_xs.append(x)
         return tuple(new_xs), ((k, v) if return_kv else None)
 

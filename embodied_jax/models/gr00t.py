@@ -292,8 +292,9 @@ class Gr00tPolicy(nnx.Module):
     def vl_features(self, obs, key=None):
         """Adapter output [R, S, D] and the per-sample attention layout for the DiT."""
         layout = self._vl_layout(obs)
+        per_row = None if layout["context_index"] is not None else len(self.cfg.cameras)  # packed: global fill
         features = self.backbone(self._images(obs), layout["tokens"], layout["positions"], layout["llm_q"],
-                                 layout["llm_kv"], causal_blocks=layout["causal"])
+                                 layout["llm_kv"], causal_blocks=layout["causal"], images_per_row=per_row)
         features = self.action_head.process_backbone_output(features, layout["adapter"], key)
         return features, layout
 

@@ -28,6 +28,7 @@ from embodied_jax.models.dit import (
 )
 from embodied_jax.nn.embeddings import LearnedPositions
 from embodied_jax.nn.norms import LayerNorm
+from embodied_jax.parallel.partition import gather_parameter, shard_tokens
 
 
 class CategorySpecificLinear(nnx.Module):
@@ -42,8 +43,8 @@ class CategorySpecificLinear(nnx.Module):
 
     def __call__(self, x, slot_ids):
         dtype = self.dtype or self.W.dtype
-        w = jnp.take(self.W[...], slot_ids, axis=0).astype(dtype)  # [B, in, out]
-        b = jnp.take(self.b[...], slot_ids, axis=0).astype(dtype)
+        w = jnp.take(gather_parameter(self.W, dtype), slot_ids, axis=0)  # [B, in, out]
+        b = jnp.take(gather_parameter(self.b, dtype), slot_ids, axis=0)
         return jnp.einsum("bti,bio->bto", x.astype(dtype), w) + b[:, None, :]
 
 
@@ -162,11 +163,11 @@ class Gr00tActionHead(nnx.Module):
             action_features = action_features + self.position_embedding(jnp.arange(horizon))[None].astype(
                 action_features.dtype)
         future = jnp.broadcast_to(self.future_tokens()[None], (b,) + self.future_tokens.embedding.shape)
-        tokens = jnp.concatenate(
+        sequence = shard_tokens(jnp.concatenate(
             [state_features, future.astype(action_features.dtype), action_features.astype(state_features.dtype)],
             axis=1,
-        )
-        q_seg = jnp.broadcast_to(q_segment_ids[:, None], tokens.shape[:2])
-        out = self.model(tokens, buckets, vl_features, q_segment_ids=q_seg, kv_segment_ids=kv_segment_ids,
+        ))
+        q_seg = jnp.broadcast_to(q_segment_ids[:, None], sequence.shape[:2])
+        out = self.model(sequence, buckets, vl_features, q_segment_ids=q_seg, kv_segment_ids=kv_segment_ids,
                          context_index=context_index, key=key)
         return self.action_decoder(out, slot_ids)[:, -horizon:].astype(jnp.float32)

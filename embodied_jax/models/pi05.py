@@ -44,6 +44,7 @@ from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.lora import LORA_FREEZE_REGEX, LoRAConfig
+from embodied_jax.parallel.partition import shard_tokens
 
 GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256)
 GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256,
@@ -252,17 +253,17 @@ class Pi05Policy(nnx.Module):
         segments = jnp.concatenate([jnp.repeat(inputs.image_segments, n, axis=1), inputs.token_segments], axis=1)
         sort_key = jnp.where(segments == 0, inputs.samples_per_row + 1, segments)
         order = jnp.argsort(sort_key, axis=1, stable=True)
-        x = jnp.take_along_axis(x, order[..., None], axis=1)
+        x = shard_tokens(jnp.take_along_axis(x, order[..., None], axis=1))
         return x, jnp.take_along_axis(segments, order, axis=1)
 
     def embed_suffix(self, x_t, time):
         """x_t [B, M, horizon, A], time [B, M] -> suffix tokens [B, M*horizon, De], conditioning [B, M, De]."""
         width = self.config.expert.width
-        tokens = self.action_in_proj(x_t)
-        b, m, hzn, _ = tokens.shape
+        suffix = self.action_in_proj(x_t)
+        b, m, hzn, _ = suffix.shape
         t_emb = time_embedding(time, width, min_period=self.config.min_period, max_period=self.config.max_period)
-        cond = jax.nn.silu(self.time_mlp_out(jax.nn.silu(self.time_mlp_in(t_emb))))
-        return tokens.reshape(b, m * hzn, width), cond
+        cond = shard_tokens(jax.nn.silu(self.time_mlp_out(jax.nn.silu(self.time_mlp_in(t_emb)))))
+        return shard_tokens(suffix.reshape(b, m * hzn, width)), cond
 
     def _suffix_layout(self, prefix_segments, prefix_lengths, m):
         """Suffix segment/block/positions for M samples of ``horizon`` tokens each."""

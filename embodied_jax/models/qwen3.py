@@ -25,6 +25,7 @@ from embodied_jax.nn.mlp import GatedMLP
 from embodied_jax.nn.norms import RMSNorm
 from embodied_jax.nn.rope import apply_rope
 from embodied_jax.nn.stack import build_stack, run_stack
+from embodied_jax.parallel.partition import shard_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,8 @@ class Qwen3DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool = True):
         h = self.self_attn(self.input_layernorm(x), positions, q_segment_ids, kv_segment_ids, causal_blocks)
-        x = x + h.astype(x.dtype)
-        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
+        x = shard_tokens(x + h.astype(x.dtype))
+        return shard_tokens(x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype))
 
 
 class Qwen3Model(nnx.Module):

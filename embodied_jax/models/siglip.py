@@ -25,6 +25,7 @@ from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.nn.mlp import MLP
 from embodied_jax.nn.norms import LayerNorm
 from embodied_jax.nn.stack import build_stack, run_stack
+from embodied_jax.parallel.partition import cast_parameter, shard_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ class PatchEmbedding(nnx.Module):
         gh, gw = h // p, w // p
         x = images[:, : gh * p, : gw * p].reshape(b, gh, p, gw, p, c)
         dtype = self.dtype or self.kernel.dtype
-        out = jnp.einsum("bhpwqc,pqcd->bhwd", x.astype(dtype), self.kernel[...].astype(dtype))
+        out = jnp.einsum("bhpwqc,pqcd->bhwd", x.astype(dtype), cast_parameter(self.kernel, dtype))
         out = out + self.bias[...].astype(dtype)
         return out.reshape(b, gh * gw, -1)
 
@@ -89,7 +90,7 @@ class SiglipEmbeddings(nnx.Module):
         if x.shape[1] != self.position_embedding.embedding.shape[0]:
             raise ValueError(f"SigLIP: images {images.shape[1:3]} give {x.shape[1]} patches, the position table has "
                              f"{self.position_embedding.embedding.shape[0]}: set SiglipConfig.image_size")
-        return x + self.position_embedding().astype(x.dtype)[None]
+        return shard_tokens(x + self.position_embedding().astype(x.dtype)[None])
 
 
 class SiglipAttention(nnx.Module):
@@ -123,8 +124,8 @@ class SiglipEncoderLayer(nnx.Module):
                        dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=rngs)
 
     def __call__(self, x):
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
+        x = shard_tokens(x + self.self_attn(self.layer_norm1(x)))
+        return shard_tokens(x + self.mlp(self.layer_norm2(x)))
 
 
 class SiglipEncoder(nnx.Module):

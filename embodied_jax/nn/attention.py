@@ -32,6 +32,12 @@ KV cache: ``KVCache`` holds the prefix's k, v, segment ids and block ids. Pass
 ``cache=...`` to ``attention`` to let the suffix queries attend the cached prefix followed
 by the suffix's own k/v (the rule applies to the concatenation); ``extend_kv`` returns that
 concatenation explicitly (e.g. to cache prefix + suffix).
+
+Inputs and output are pinned to the batch axes of the mesh (``partition.constrain`` with
+``Q_AXES``/``KV_AXES``), so under FSDP the partitioner never trades the batch split of the
+attention for a split of the weights that produced it. They are also named for remat
+policies (``attention_q``, ``attention_k``, ``attention_v``, ``attention_out``; see
+``nn.stack``).
 """
 from __future__ import annotations
 
@@ -41,10 +47,17 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
+
+from embodied_jax.parallel import partition
 
 log = logging.getLogger(__name__)
 
 AttentionImpl = Literal["auto", "xla", "cudnn", "te"]
+# Logical axes of queries/outputs and keys/values: batch-split like the residual stream.
+Q_AXES = ("batch", "act_length", "act_heads", "act_head_dim")
+KV_AXES = ("batch", "act_length", "act_kv_heads", "act_head_dim")
+ATTENTION_NAMES = ("attention_q", "attention_k", "attention_v", "attention_out")  # checkpoint names
 IMPLS = ("auto", "xla", "cudnn", "te")
 
 _LOGGED_FALLBACKS: set[str] = set()
@@ -255,6 +268,9 @@ def attention(
         if q_block_ids is None:
             q_block_ids = jnp.zeros_like(q_segment_ids)
     _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids)
+    q = checkpoint_name(partition.constrain(q, Q_AXES), "attention_q")
+    k = checkpoint_name(partition.constrain(k, KV_AXES), "attention_k")
+    v = checkpoint_name(partition.constrain(v, KV_AXES), "attention_v")
     scale = float(q.shape[-1]) ** -0.5 if scale is None else scale
     general_blocks = (q_block_ids is not None or kv_block_ids is not None) and not causal_blocks
 
@@ -274,9 +290,11 @@ def attention(
 
     if impl == "xla":
         mask = attention_mask(q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids)
-        return xla_attention(q, k, v, mask, scale)
-    if impl == "cudnn":
-        return _cudnn_attention(
+        out = xla_attention(q, k, v, mask, scale)
+    elif impl == "cudnn":
+        out = _cudnn_attention(
             q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, scale, causal_blocks, max_segments
         )
-    return _te_attention(q, k, v, q_segment_ids, kv_segment_ids, scale, causal_blocks)
+    else:
+        out = _te_attention(q, k, v, q_segment_ids, kv_segment_ids, scale, causal_blocks)
+    return checkpoint_name(partition.constrain(out, Q_AXES), "attention_out")

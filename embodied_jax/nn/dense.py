@@ -29,6 +29,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 from embodied_jax.nn.lora import LoRAConfig, lora_delta, make_lora_params
+from embodied_jax.parallel.partition import cast_parameter, logical_names, shard_tokens
 from embodied_jax.variables import Fp8Meta
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ DEFAULT_AMAX_HISTORY = 16
 _LOGGED: set[str] = set()
 
 Initializer = Callable[..., jax.Array]
+# Logical name of an activation's feature axis, from the output axis of the kernel that made it.
+ACTIVATION_AXES = {"mlp": "act_mlp", "heads": "act_heads", "kv_heads": "act_kv_heads"}
 
 
 def default_kernel_init(in_axis=-2, out_axis=-1) -> Initializer:
@@ -157,7 +160,7 @@ class Einsum(nnx.Module):
     def __call__(self, x):
         dtype = self.dtype or self.kernel.dtype
         x = jnp.asarray(x, dtype)
-        kernel = self.kernel[...].astype(dtype)
+        kernel = cast_parameter(self.kernel, dtype)
         if self.fp8 == "none":
             y = jnp.einsum(self.spec, x, kernel)
         elif self.fp8 == "te":
@@ -214,7 +217,7 @@ class Dense(nnx.Module):
         x = jnp.asarray(x, dtype)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Dense: input last dim {x.shape[-1]} != in_features {self.in_features}")
-        kernel = self.kernel[...].astype(dtype)
+        kernel = cast_parameter(self.kernel, dtype)
         if self.fp8 == "none":
             y = jnp.einsum("...i,io->...o", x, kernel)
         elif self.fp8 == "te":
@@ -226,4 +229,6 @@ class Dense(nnx.Module):
             y = y + lora_delta("...i,io->...o", x, self.lora_a[...], self.lora_b[...], self.lora)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
-        return y
+        # Split like the batch, never like the weight (whose placement the partitioner would
+        # otherwise propagate to the output and then gather the batch to match).
+        return shard_tokens(y, ACTIVATION_AXES.get(logical_names(self.kernel)[1], "act_embed"))

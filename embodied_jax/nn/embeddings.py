@@ -18,6 +18,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from embodied_jax.parallel.partition import gather_parameter
+
 
 def sincos_embedding(t, dim: int, *, min_period: float = 4e-3, max_period: float = 4.0):
     """t [...] -> float32 [..., dim]: concat[sin, cos](2π t / period), periods log-spaced."""
@@ -50,7 +52,7 @@ class LearnedPositions(nnx.Module):
         self.embedding = nnx.Param(init(rngs.params(), (num, dim), param_dtype), out_sharding=("positions", "embed"))
 
     def __call__(self, positions=None):
-        table = self.embedding[...]
+        table = gather_parameter(self.embedding)
         return table if positions is None else jnp.take(table, positions, axis=0)
 
 

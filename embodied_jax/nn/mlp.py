@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from embodied_jax.nn.dense import Dense
+from embodied_jax.parallel.partition import shard_tokens
 from embodied_jax.nn.lora import LoRAConfig
 
 ACTIVATIONS = {
@@ -37,7 +38,7 @@ class GatedMLP(nnx.Module):
         self.down_proj = Dense(hidden, width, axes=("mlp", "embed"), **common)
 
     def __call__(self, x):
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(shard_tokens(self.activation(self.gate_proj(x)) * self.up_proj(x), "act_mlp"))
 
 
 class MLP(nnx.Module):
@@ -57,4 +58,4 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         first, second = (getattr(self, n) for n in self.names)
-        return second(self.activation(first(x)))
+        return second(shard_tokens(self.activation(first(x)), "act_mlp"))

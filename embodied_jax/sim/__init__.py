@@ -20,12 +20,19 @@ Public entry points (each module's docstring has the details):
 This package knows models only through the ``act`` callable; it never imports
 ``embodied_jax.train`` or a concrete model.
 """
-from embodied_jax.sim.env import Env, EnvConfig, EnvState, batch_reset, batch_step
-from embodied_jax.sim.evaluate import EvalConfig, Evaluator, evaluate_tasks, summarize, wilson_interval
-from embodied_jax.sim.tasks import TASKS, make_task
+import importlib
 
-__all__ = [
-    "Env", "EnvConfig", "EnvState", "batch_reset", "batch_step",
-    "EvalConfig", "Evaluator", "evaluate_tasks", "summarize", "wilson_interval",
-    "TASKS", "make_task",
-]
+# Imported on first use: MJX takes seconds to import, and importing a submodule such as
+# ``embodied_jax.sim.tasks`` should not pay for it.
+_EXPORTS = {
+    "Env": "env", "EnvConfig": "env", "EnvState": "env", "batch_reset": "env", "batch_step": "env",
+    "EvalConfig": "evaluate", "Evaluator": "evaluate", "evaluate_tasks": "evaluate", "summarize": "evaluate",
+    "wilson_interval": "evaluate", "TASKS": "tasks", "make_task": "tasks",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -15,10 +15,10 @@ import signal
 from typing import Any
 
 import jax
-import numpy as np
 
 from embodied_jax.parallel import distributed
-from embodied_jax.parallel.mesh import describe_mesh, make_mesh
+from embodied_jax.parallel.mesh import axis_size, describe_mesh, make_mesh
+from embodied_jax.parallel.rules import MESH_AXES, RulesError, ShardingRules
 from embodied_jax.parallel.sharding import data_parallel_size, global_batch, mesh_context
 from embodied_jax.train import pretrained
 from embodied_jax.train.checkpoint import Checkpointer
@@ -60,6 +60,16 @@ class Runtime:
     init_fn: Any
     abstract_state: TrainState
     shardings: TrainState
+    rules: ShardingRules = ShardingRules()
+
+    def context(self):
+        """The mesh and sharding rules that tracing and running the step need."""
+        return mesh_context(self.mesh, self.rules)
+
+    def step_function(self, batch: Any):
+        """The jitted train step for batches shaped like ``batch`` (trace it under ``context()``)."""
+        return jit_train_step(make_train_step(self.parts, self.tx, self.schedule, self.config.train, self.mesh,
+                                              self.rules), self.shardings, batch, self.mesh, self.rules)
 
 
 def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1) -> None:
@@ -88,10 +98,15 @@ def build(config: ExperimentConfig, devices: list | None = None) -> Runtime:
 
     try:
         mesh = make_mesh(config.mesh, devices)
-    except MeshError as e:
+        rules = ShardingRules.from_config(config.mesh.rules, config.mesh.min_shard_bytes)
+    except (MeshError, RulesError) as e:
         raise ConfigError(str(e)) from e
     validate(config, mesh.devices.size, jax.process_count())
-    dp = data_parallel_size(mesh)
+    for axis in MESH_AXES:
+        if axis_size(mesh, axis) > 1 and not rules.uses(axis):
+            log.warning("mesh.%s=%d but no sharding rule uses %r: it only replicates (for tensor "
+                        "parallelism add --mesh.rules tensor_parallel)", axis, axis_size(mesh, axis), axis)
+    dp = data_parallel_size(mesh, rules)
     micro = config.train.batch_size // config.train.grad_accum_steps
     if micro % dp:
         raise ConfigError(
@@ -101,20 +116,19 @@ def build(config: ExperimentConfig, devices: list | None = None) -> Runtime:
         )
     # The model's own freezing switches (e.g. GR00T's tune_*) add to optimizer.freeze.
     model_freeze = tuple(config.model.freeze_regexes()) if hasattr(config.model, "freeze_regexes") else ()
-    parts = model_parts(config.model, mesh, tuple(config.optimizer.freeze) + model_freeze)
+    parts = model_parts(config.model, tuple(config.optimizer.freeze) + model_freeze)
     try:
         tx, schedule = make_optimizer(config.optimizer, config.train.steps)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     init_fn = make_init_fn(config.model, parts, tx, config.optimizer, mesh, config.train.ema_decay is not None)
-    with mesh_context(mesh):
-        abstract_state = jax.eval_shape(init_fn, init_seed(config.train.seed))
-    shardings = state_shardings(abstract_state, parts, tx, mesh)
-    return Runtime(config, mesh, parts, tx, schedule, init_fn, abstract_state, shardings)
+    abstract_state = jax.eval_shape(init_fn, init_seed(config.train.seed))
+    shardings = state_shardings(abstract_state, parts, tx, mesh, rules)
+    return Runtime(config, mesh, parts, tx, schedule, init_fn, abstract_state, shardings, rules)
 
 
 def initial_state(rt: Runtime) -> TrainState:
-    with mesh_context(rt.mesh):
+    with rt.context():
         state = jax.jit(rt.init_fn, out_shardings=rt.shardings)(init_seed(rt.config.train.seed))
     if rt.config.init_from:
         state = pretrained.load_into(state, rt.config.init_from, rt.abstract_state, rt.shardings)
@@ -210,14 +224,12 @@ def train(config: ExperimentConfig) -> RunResult:
         if step % t.log_every == 0 or step == t.steps:
             writer.write(step, {**values, **throughput.rates()})
 
-    with _SignalFlag() as stop, mesh_context(rt.mesh):
+    with _SignalFlag() as stop, rt.context():
         try:
             for step in range(first, t.steps):
-                batch = global_batch(next(data_it), rt.mesh)
+                batch = global_batch(next(data_it), rt.mesh, rt.rules)
                 if step_fn is None:
-                    step_fn = jit_train_step(
-                        make_train_step(rt.parts, rt.tx, rt.schedule, t, rt.mesh), rt.shardings, batch, rt.mesh
-                    )
+                    step_fn = rt.step_function(batch)
                 state, metrics = step_fn(state, batch)
                 if pending is not None:
                     handle(*pending)

@@ -18,7 +18,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from embodied_jax.parallel.sharding import mesh_context, replicated
+from embodied_jax.parallel.partition import Placement, parameter_placements
+from embodied_jax.parallel.rules import ShardingRules
+from embodied_jax.parallel.sharding import replicated
 from embodied_jax.train.config import OptimizerConfig
 from embodied_jax.train.optimizer import matches_any, path_str
 from embodied_jax.variables import Fp8Meta
@@ -68,18 +70,27 @@ class ModelParts:
         _, *states = nnx.split(model, *_filters(self.freeze))
         return tuple(s.to_pure_dict() for s in states)
 
-    def shardings(self, mesh: Mesh) -> tuple[dict, ...]:
-        with mesh_context(mesh):
-            return tuple(nnx.get_named_sharding(t, mesh).to_pure_dict() for t in self.templates)
+    def placements(self, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> tuple[dict, ...]:
+        """``partition.Placement`` per leaf of each group (spec and any fallback note)."""
+        return tuple(nnx.State(parameter_placements(t, mesh, rules)).to_pure_dict() for t in self.templates)
+
+    def shardings(self, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> tuple[dict, ...]:
+        return tuple(jax.tree.map(lambda p: NamedSharding(mesh, p.spec), group, is_leaf=_is_placement)
+                     for group in self.placements(mesh, rules))
 
 
-def abstract_model(model_config: Any, mesh: Mesh, seed: int = 0) -> nnx.Module:
-    with mesh_context(mesh):
+def _is_placement(x) -> bool:
+    return isinstance(x, Placement)
+
+
+def abstract_model(model_config: Any, seed: int = 0) -> nnx.Module:
+    """The model with abstract leaves; shardings come from ``parallel.partition``, not Flax."""
+    with nnx.use_eager_sharding(False):
         return nnx.eval_shape(lambda: model_config.make(nnx.Rngs(seed)))
 
 
-def model_parts(model_config: Any, mesh: Mesh, freeze: tuple[str, ...] = ()) -> ModelParts:
-    graphdef, *templates = nnx.split(abstract_model(model_config, mesh), *_filters(freeze))
+def model_parts(model_config: Any, freeze: tuple[str, ...] = ()) -> ModelParts:
+    graphdef, *templates = nnx.split(abstract_model(model_config), *_filters(freeze))
     return ModelParts(graphdef, tuple(templates), tuple(freeze))
 
 
@@ -94,8 +105,9 @@ def make_init_fn(model_config: Any, parts: ModelParts, tx: optax.GradientTransfo
     """``init(seed) -> TrainState``: jit it with ``out_shardings`` to initialise sharded."""
 
     def init(seed: jax.Array) -> TrainState:
-        # Traced under the caller's ``mesh_context`` (``jax.set_mesh`` is not allowed inside jit).
-        model = model_config.make(nnx.Rngs(jax.random.key(seed)))
+        # Placement comes from the caller's out_shardings (``parallel.partition``), not Flax.
+        with nnx.use_eager_sharding(False):
+            model = model_config.make(nnx.Rngs(jax.random.key(seed)))
         params, frozen, fp8, other = parts.split(model)
         frozen = _cast(frozen, opt_config.frozen_dtype)
         return TrainState(
@@ -115,10 +127,10 @@ def make_init_fn(model_config: Any, parts: ModelParts, tx: optax.GradientTransfo
 
 
 def state_shardings(abstract_state: TrainState, parts: ModelParts, tx: optax.GradientTransformation,
-                    mesh: Mesh) -> TrainState:
+                    mesh: Mesh, rules: ShardingRules = ShardingRules()) -> TrainState:
     """Shardings of every leaf: parameters from their logical axes, optimizer state like its
     parameters, scalars replicated."""
-    params, frozen, fp8, other = parts.shardings(mesh)
+    params, frozen, fp8, other = parts.shardings(mesh, rules)
     rep = replicated(mesh)
     opt = optax.tree_map_params(
         tx,

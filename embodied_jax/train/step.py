@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from embodied_jax.parallel.rules import ShardingRules
 from embodied_jax.parallel.sharding import batch_shardings, replicated
 from embodied_jax.train.config import TrainConfig
 from embodied_jax.train.state import ModelParts, TrainState
@@ -33,7 +34,7 @@ def _micro_batches(batch: Any, accum: int, mesh: Mesh) -> Any:
 
 
 def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    config: TrainConfig, mesh: Mesh):
+                    config: TrainConfig, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     accum = config.grad_accum_steps
 
     def loss_fn(params, fp8, frozen, other, batch, rng):
@@ -56,7 +57,7 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
             def body(carry, xs):
                 grads_sum, fp8, other = carry
                 mb, i = xs
-                mb = jax.lax.with_sharding_constraint(mb, batch_shardings(mesh, mb))
+                mb = jax.lax.with_sharding_constraint(mb, batch_shardings(mesh, mb, rules))
                 (loss, (metrics, other)), (grads, fp8) = grad_fn(
                     state.params, fp8, state.frozen, other, mb, jax.random.fold_in(rng, i)
                 )
@@ -111,11 +112,14 @@ def _is_count(m: jax.Array) -> bool:
     return jnp.issubdtype(m.dtype, jnp.integer)
 
 
-def jit_train_step(train_step, shardings: TrainState, batch: Any, mesh: Mesh):
-    """Compile once with explicit in/out shardings; the state argument is donated."""
+def jit_train_step(train_step, shardings: TrainState, batch: Any, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """Compile once with explicit in/out shardings; the state argument is donated.
+
+    Trace and compile it under ``mesh_context(mesh, rules)``: the models' activation
+    constraints read the rules and the mesh from there."""
     return jax.jit(
         train_step,
-        in_shardings=(shardings, batch_shardings(mesh, batch)),
+        in_shardings=(shardings, batch_shardings(mesh, batch, rules)),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=(0,),
     )

@@ -27,18 +27,16 @@ VARIANTS = {"float32": dict(dtype="float32", fp8="none"),
 
 def run(config, steps: int, num_batches: int = 4) -> tuple[float, list[float]]:
     """(median step seconds excluding the compile step, training losses)."""
-    from embodied_jax.parallel.sharding import global_batch, mesh_context
+    from embodied_jax.parallel.sharding import global_batch
     from embodied_jax.train.loop import build, initial_state
-    from embodied_jax.train.step import jit_train_step, make_train_step
 
     rt = build(config)
     batches = [config.model.synthetic_batch(config.train.batch_size, seed=i) for i in range(num_batches)]
     losses, times = [], []
-    with mesh_context(rt.mesh):
+    with rt.context():
         state = initial_state(rt)
-        device_batches = [global_batch(b, rt.mesh) for b in batches]
-        step = jit_train_step(make_train_step(rt.parts, rt.tx, rt.schedule, config.train, rt.mesh), rt.shardings,
-                              device_batches[0], rt.mesh)
+        device_batches = [global_batch(b, rt.mesh, rt.rules) for b in batches]
+        step = rt.step_function(device_batches[0])
         for i in range(steps):
             t = time.perf_counter()
             state, metrics = step(state, device_batches[i % num_batches])

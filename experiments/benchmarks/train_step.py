@@ -34,10 +34,9 @@ def main(argv: list[str] | None = None) -> dict:
     bench, rest = parser.parse_known_args(argv)
 
     from embodied_jax.parallel import distributed
-    from embodied_jax.parallel.sharding import global_batch, mesh_context
+    from embodied_jax.parallel.sharding import global_batch
     from embodied_jax.train.dry_run import peak_host_bytes
     from embodied_jax.train.loop import build, initial_state
-    from embodied_jax.train.step import jit_train_step, make_train_step
     from experiments.launch import parse
 
     config = parse(rest)
@@ -46,11 +45,10 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = config.train
     batches = [config.model.synthetic_batch(cfg.batch_size, seed=i) for i in range(2)]
     tokens = float(np.sum(batches[0]["token_mask"])) if "token_mask" in batches[0] else 0.0
-    with mesh_context(rt.mesh):
+    with rt.context():
         state = initial_state(rt)
-        device_batches = [global_batch(b, rt.mesh) for b in batches]
-        step = jit_train_step(make_train_step(rt.parts, rt.tx, rt.schedule, cfg, rt.mesh), rt.shardings,
-                              device_batches[0], rt.mesh)
+        device_batches = [global_batch(b, rt.mesh, rt.rules) for b in batches]
+        step = rt.step_function(device_batches[0])
         t0 = time.perf_counter()
         compiled = step.lower(state, device_batches[0]).compile()
         compile_s = time.perf_counter() - t0
