@@ -2,7 +2,9 @@
 
 ``--help`` lists the experiments; ``NAME --help`` lists every field that can be
 overridden. With no NAME it runs the default demo. ``--dry-run`` (with ``--compile``)
-only reports shapes, parameter counts and memory. Multi-process jobs take
+only reports shapes, parameter counts, memory and collectives; ``--virtual-devices N``
+simulates N CPU devices, so ``NAME --dry-run --compile --virtual-devices 256 --mesh.data 1
+--mesh.fsdp 256`` compiles the step for a 256-device cluster. Multi-process jobs take
 ``--coordinator HOST:PORT --num-processes N --process-id I`` or find their peers
 from SLURM, Kubernetes or Open MPI variables.
 """
@@ -47,22 +49,25 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = parse(sys.argv[1:] if argv is None else argv)
 
+    from embodied_jax.parallel.virtual_devices import VirtualDevicesError, use_virtual_devices
     from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build, train
 
     try:
+        if config.virtual_devices is not None:
+            use_virtual_devices(config.virtual_devices)
         if config.dry_run:
             from embodied_jax.parallel import distributed
             from embodied_jax.train.dry_run import report
 
             distributed.initialize(config.distributed)
-            report(build(config), compile=config.compile)
+            report(build(config), compile=config.compile, gpu_memory_gb=config.gpu_memory_gb)
             return 0
-        if config.compile:
-            raise ConfigError("compile: --compile only applies together with --dry-run")
+        if config.compile or config.gpu_memory_gb:
+            raise ConfigError("compile: --compile and --gpu-memory-gb only apply together with --dry-run")
         if hasattr(config, "run"):  # experiments with steps around training (the demo)
             return config.run()
         result = train(config)
-    except ConfigError as e:
+    except (ConfigError, VirtualDevicesError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:

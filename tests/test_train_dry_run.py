@@ -38,9 +38,18 @@ def test_dry_run_of_a_billion_parameter_model_shards_and_allocates_nothing(repo_
 
 def test_dry_run_compile_reports_xla_memory(tmp_path):
     lines = []
-    result = report(loop.build(toy_config(tmp_path, mesh=MeshConfig(data=1, fsdp=8))), compile=True, out=lines.append)
+    result = report(loop.build(toy_config(tmp_path, mesh=MeshConfig(data=1, fsdp=8))), compile=True, out=lines.append,
+                    gpu_memory_gb=1.0)
     assert result["parameters"] == toy_parameter_count(64, 128, 2)
     assert result["backend"] == "cpu"
-    assert any(line.startswith("XLA memory analysis (cpu, per device)") for line in lines)
+    assert any(re.match(r"XLA memory analysis \(cpu, per device\): argument_size=.*temp_size=[\d.]+ GiB", line)
+               for line in lines)
     assert result["memory_analysis"]["argument_size_in_bytes"] > 0
+    assert any(line.startswith("largest buffers live at the memory peak") for line in lines)
+    assert result["collectives"]["all-gather"]["count"] > 0  # fsdp=8: parameters are gathered
+    assert result["analytic_collective_bytes_per_device"] > 0 and result["flops_per_device"] > 0
+    plan = result["memory_plan"]
+    assert plan["bytes_per_example"] > 0 and plan["max_examples_per_device"] > 0 and plan["devices_needed"] >= 1
+    assert any(line.startswith("memory plan for 1 GB GPUs") for line in lines)
+    assert lines[-1].startswith("dry-run summary: {")
     assert not tmp_path.joinpath("checkpoints").exists()

@@ -120,8 +120,8 @@ def place(shape: Sequence[int], names: Sequence[str | None], mesh, rules: Rules 
                              f"({target})")
             if taken == wanted:
                 break
-    for config_axis in fill:
-        spare = [a for a in axis_parts(mesh, config_axis) if sizes[a] > 1 and a not in used]
+    for fill_axis in fill:
+        spare = [a for a in axis_parts(mesh, fill_axis) if sizes[a] > 1 and a not in used]
         whole = math.prod(sizes[a] for a in spare)
         # One dimension for the whole spare axis when one divides (simpler collectives), else split.
         order = sorted(range(len(shape)), key=lambda d: (left(d) % whole != 0, -left(d)))
@@ -133,7 +133,7 @@ def place(shape: Sequence[int], names: Sequence[str | None], mesh, rules: Rules 
                 dims[i] += taken
                 used.update(taken)
                 spare = [a for a in spare if a not in taken]
-                notes.append(f"{config_axis} x{math.prod(sizes[a] for a in taken)} on dim {i} "
+                notes.append(f"{fill_axis} x{math.prod(sizes[a] for a in taken)} on dim {i} "
                              f"({names[i] or 'unnamed'}[{shape[i]}])")
     if min_shard_bytes and math.prod(shape) * itemsize < min_shard_bytes and any(dims):
         return Placement(PartitionSpec(*([None] * len(shape))), f"replicated: below {min_shard_bytes} bytes")

@@ -86,6 +86,10 @@ class ExperimentConfig:
     init_from: str | None = None  # parameters from a converted checkpoint (models.convert)
     dry_run: bool = False  # eval_shape only: config, mesh, parameter counts, bytes per device
     compile: bool = False  # with --dry-run: also compile the train step ahead of time
+    # With --dry-run --compile: plan for GPUs of this memory (GB): devices needed, largest batch.
+    gpu_memory_gb: float | None = None
+    # Simulate this many CPU devices (sets the host platform device count before JAX starts).
+    virtual_devices: int | None = None
 
 
 def to_dict(config: Any) -> Any:

@@ -1,0 +1,63 @@
+"""Reduced π0.5 and GR00T-N1.5 (the full structure at width <= 512, 2 layers) compiled for a
+virtual cluster: ``python -m tests.scale_check DEVICES`` prints one JSON line per model with
+the dry-run figures at 1 example per device (fsdp = DEVICES). Used by tests/test_scale.py."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from embodied_jax.models.gemma import GemmaConfig
+from embodied_jax.models.pi05 import Pi05Config
+from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.parallel.mesh import MeshConfig
+
+# Widths that 64 does not divide (96, 344) and arrays narrower than 64 (32-slot embodiment
+# tables, 32 action dims) exercise every placement fallback.
+SIGLIP = SiglipConfig(width=96, depth=2, num_heads=4, mlp_dim=344, patch_size=14, image_size=56)
+PI05 = Pi05Config(
+    vision=SIGLIP,
+    vlm=GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),
+    expert=GemmaConfig(width=128, depth=2, mlp_dim=512, num_heads=8, num_kv_heads=1, head_dim=32, use_adarms=True),
+    vocab_size=2048, max_token_len=48, action_horizon=10, synthetic_prompt_len=16, dtype="bfloat16",
+    remat_policy="save_attention",
+)
+
+
+def gr00t_config():
+    from experiments.gr00t import FULL_MODEL
+
+    return dataclasses.replace(
+        FULL_MODEL, image_size=56, vision_width=96, vision_layers=2, vision_heads=4, vision_mlp_dim=344,
+        llm_width=256, llm_layers=2, select_layer=2, llm_heads=4, llm_kv_heads=2, llm_head_dim=64, llm_mlp_dim=768,
+        vocab_size=2048, image_token_id=2047, max_token_len=18 + 38, hidden_size=128, input_embedding_dim=192,
+        dit_layers=2, dit_heads=4, dit_head_dim=48, dit_output_dim=128, vl_layers=2, vl_heads=4, vl_head_dim=64,
+        max_seq_len=64,
+    )
+
+
+def experiments():
+    from experiments.gr00t import gr00t_n15
+    from experiments.pi05 import pi05
+
+    return {"pi05": dataclasses.replace(pi05(), model=PI05), "gr00t_n15": dataclasses.replace(gr00t_n15(), model=gr00t_config())}
+
+
+def measure(devices: int) -> dict[str, dict]:
+    from embodied_jax.train import loop
+    from embodied_jax.train.dry_run import report
+
+    out = {}
+    for name, config in experiments().items():
+        config = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=devices),
+                                     train=dataclasses.replace(config.train, batch_size=devices))
+        out[name] = report(loop.build(config), compile=True, out=lambda _: None)
+    return out
+
+
+if __name__ == "__main__":
+    from embodied_jax.parallel.virtual_devices import use_virtual_devices
+
+    use_virtual_devices(int(sys.argv[1]))
+    for name, result in measure(int(sys.argv[1])).items():
+        print(json.dumps({"model": name, **result}))
