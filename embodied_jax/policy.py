@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import jax
-import numpy as np
 from flax import nnx
 
 Batch = dict[str, Any]

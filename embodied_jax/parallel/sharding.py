@@ -76,12 +76,3 @@ def global_batch(local_batch: Any, mesh: Mesh, rules: ShardingRules = ShardingRu
         return jax.make_array_from_process_local_data(sharding, x, shape)
 
     return jax.tree.map(to_global, local_batch)
-
-
-def sharded_bytes_per_device(abstract_tree: Any, shardings: Any) -> int:
-    """Bytes one device holds for a tree, from each leaf's sharded shape."""
-    total = 0
-    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
-        shard = sharding.shard_shape(leaf.shape) if hasattr(sharding, "shard_shape") else leaf.shape
-        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-    return total

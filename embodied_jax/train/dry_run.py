@@ -62,7 +62,7 @@ def _gib(n: float) -> str:
 def fallbacks(rt: Runtime) -> list[tuple[str, tuple, Any, str]]:
     """(path, shape, spec, why) of every parameter placed other than by the rules' first choice."""
     out = []
-    for group, template, placements in zip(scaling.GROUPS, rt.parts.templates, rt.parts.placements(rt.mesh, rt.rules)):
+    for template, placements in zip(rt.parts.templates, rt.parts.placements(rt.mesh, rt.rules)):
         flat = traverse_util.flatten_dict(placements)
         for path, variable in nnx.to_flat_state(template):
             placement = flat[tuple(path)]

@@ -35,9 +35,10 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from embodied_jax.parallel.partition import logical_names
+from embodied_jax.parallel.rules import ShardingRules
 from embodied_jax.parallel.sharding import batch_axes
+from embodied_jax.train.state import GROUPS
 
-GROUPS = ("params", "frozen", "fp8", "other")
 # Token tables: the partitioner looks rows up where they are stored and moves only ids and
 # rows, never the table or its gradient.
 LOOKUP_AXES = frozenset({"vocab"})
@@ -89,7 +90,7 @@ def _block_of(path: str) -> str:
 
 
 def analytic_collectives(parts, placements, mesh, *, remat: bool, gather_itemsize, reduce_itemsize: int,
-                         rules=None) -> dict[str, float]:
+                         rules: ShardingRules = ShardingRules()) -> dict[str, float]:
     """Per-device bytes per step: ``all-gather`` (forward and rematerialised backward),
     ``reduce-scatter`` and ``all-reduce`` of gradients, with their sum in ``total``.
 
@@ -97,8 +98,7 @@ def analytic_collectives(parts, placements, mesh, *, remat: bool, gather_itemsiz
     the compute dtype, ``min(own, 2)`` for bf16 (``partition.cast_parameter``); XLA:CPU moves
     every float collective in f32 (``lambda _: 4``). Gradients are reduced at
     ``reduce_itemsize``."""
-    kwargs = {} if rules is None else {"rules": rules}
-    batch = set(batch_axes(mesh, **kwargs))
+    batch = set(batch_axes(mesh, rules))
     dp = math.prod(mesh.shape[a] for a in batch)
     leaves = [leaf for leaf in _leaves(parts, placements) if leaf.group in ("params", "frozen")]
     trainable_blocks = {_block_of(leaf.path) for leaf in leaves if leaf.group == "params"}

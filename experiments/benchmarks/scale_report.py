@@ -46,8 +46,8 @@ def comm_seconds(payload: dict[str, float], gpus: int, gpus_per_node: int) -> fl
     return sum(payload.get(kind, 0.0) * n for kind, n in passes.items()) * per_array
 
 
-def gpu_payload(rt_parts, mesh, remat: bool, rules) -> dict[str, float]:
-    """Analytic array bytes per kind on a GPU (bf16 gathers, f32 reductions), as if g were huge."""
+def gpu_payload(rt_parts, mesh, remat: bool, rules) -> tuple[dict[str, float], float]:
+    """(analytic array bytes per kind on a GPU: bf16 gathers, f32 reductions; their wire total)."""
     from embodied_jax.train import scaling
 
     placements = rt_parts.placements(mesh, rules)
