@@ -4,8 +4,10 @@
 model's input builder: ``ModelInputs`` renames a data-layer sample (dataset keys such as
 ``observation.state``, ``action``, ``observation.images.<camera>``) into the builder's
 ``{"task", "state", "images": {slot: image}, "actions"}`` and calls the builder that the
-model config provides through ``input_builder()``. The trainer only calls
-``make_iterator``; ``data/`` never imports a model. A policy bundle applies the same
+model config provides through ``input_builder(packed)``. With ``packing.seq_len`` > 0
+(``--data.packing.seq-len N``) the builder emits variable-length samples and the pipeline
+packs them into rows of N tokens (``data/packing.py``); ``train.batch_size`` then counts
+rows. The trainer only calls ``make_iterator``; ``data/`` never imports a model. A policy bundle applies the same
 ``ModelInputs`` to a robot's raw observation, so serving sees what training saw.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from embodied_jax.data.packing import PackingConfig
 from embodied_jax.data.pipeline import DataConfig, make_data_iterator
 
 
@@ -53,10 +56,17 @@ class _RenamedBuilder:
 class LeRobotData:
     data: DataConfig
     inputs: ModelInputs = ModelInputs()
+    packing: PackingConfig = PackingConfig()
 
     def make_iterator(self, *, model: Any, process_index: int, process_count: int, batch_size: int, seed: int):
         if batch_size % process_count:
             raise ValueError(f"train.batch_size={batch_size} is not divisible by {process_count} processes")
-        builder = _RenamedBuilder(self.inputs, model.input_builder())
+        packing = self.packing
+        if packing.enabled:
+            builder = model.input_builder(packed=True)
+            packing = packing.resolved(builder.tokens_per_image)
+        else:
+            builder = model.input_builder()
         return make_data_iterator(self.data, process_index=process_index, process_count=process_count,
-                                  batch_size=batch_size // process_count, seed=seed, builder=builder)
+                                  batch_size=batch_size // process_count, seed=seed,
+                                  builder=_RenamedBuilder(self.inputs, builder), packing=packing)

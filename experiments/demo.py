@@ -132,7 +132,7 @@ def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
 class DemoConfig(ExperimentConfig):
     task: str = "reach"
     episodes: int = 3000
-    eval_envs: int = 128
+    eval_envs: int = 128  # 0: train only (no closed-loop evaluation)
     num_videos: int = 4
     # Std (metres) of noise on the expert's executed moves; labels stay the expert's. The
     # demonstrations then also show how to recover from off-path states (DART). None: the
@@ -162,8 +162,15 @@ class DemoConfig(ExperimentConfig):
             data=dataclasses.replace(self.data, data=dataclasses.replace(self.data.data, sources=(SourceConfig(str(dataset)),))),
             evaluation=dataclasses.replace(self.evaluation, task=self.task),  # evaluate the task trained on
         )
-        print(f"[2/4] training {type(config.model).__name__} for {config.train.steps} steps ...", flush=True)
+        packing = config.data.packing
+        layout = (f", packed rows of {packing.seq_len} tokens ({config.train.batch_size} rows per step)"
+                  if packing.enabled else "")
+        print(f"[2/4] training {type(config.model).__name__} for {config.train.steps} steps{layout} ...", flush=True)
         result = train(config)
+        if self.eval_envs == 0:
+            print("[3/4] closed-loop evaluation skipped (--eval-envs 0)")
+            print(f"checkpoints: {result.checkpoint_dir}")
+            return 0
         print(f"[3/4] evaluating in batched MJX ({self.eval_envs} environments) ...", flush=True)
         bundle = load_policy(workdir)
         evaluator, params = dataclasses.replace(config.evaluation, num_envs=self.eval_envs).evaluator(

@@ -46,3 +46,16 @@ def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a GPU (run with JAX_PLATFORMS=cuda,cpu); skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU (default backend is {jax.default_backend()!r})")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

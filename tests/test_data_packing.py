@@ -1,11 +1,11 @@
-"""First-fit packing: no sample split, segment ids/positions, cap per row, padding fraction."""
+"""First-fit packing: no sample split, segment ids/positions, cap per row, images per row, padding fraction."""
 import grain
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embodied_jax.data.packing import PackingConfig, pack, padding_fraction
+from embodied_jax.data.packing import PackingConfig, pack, pack_samples, padding_fraction
 
 
 def _samples(lengths):
@@ -17,8 +17,9 @@ def _samples(lengths):
 def _pack(lengths, seq_len, cap, bins=4):
     config = PackingConfig(seq_len=seq_len, token_keys=("tokens", "token_mask"), max_samples_per_row=cap,
                            num_packing_bins=bins)
-    ds = grain.MapDataset.source(_samples(lengths)).to_iter_dataset()
-    return list(pack(ds, config, meta_keys=("state", "task"), token_dtypes=(np.int32, np.bool_)))
+    samples = _samples(lengths)
+    ds = grain.MapDataset.source(samples).to_iter_dataset()
+    return list(pack(ds, config, probe=samples[0]))
 
 
 def _check_rows(rows, lengths, seq_len, cap):
@@ -71,3 +72,28 @@ def test_packing_rejects_too_long_samples():
 def test_packing_property(lengths, cap, bins):
     rows = _pack(lengths, seq_len=16, cap=cap, bins=bins)
     _check_rows(rows, lengths, 16, cap)
+
+
+def test_images_pack_with_their_samples_and_bound_the_row():
+    # sample i has i % 3 images, every pixel = i; 10 tokens each
+    samples = [{"tokens": np.full(10, i + 1, np.int32), "images": np.full((i % 3, 2, 2, 3), i, np.float32),
+                "actions": np.full((2,), i, np.float32)} for i in range(7)]
+    config = PackingConfig(seq_len=40, max_samples_per_row=4, max_images_per_row=3)
+    batch = pack_samples(samples, config, num_rows=5)
+    assert batch["images"].shape == (5, 3, 2, 2, 3) and batch["image_segment_ids"].shape == (5, 3)
+    seen = 0
+    for r in range(5):
+        tokens, seg, images, image_seg = (batch[k][r] for k in ("tokens", "segment_ids", "images", "image_segment_ids"))
+        for s in range(1, int(seg.max(initial=0)) + 1):
+            sample = int(tokens[seg == s][0]) - 1
+            assert batch["actions"][r, s - 1, 0] == sample
+            own = images[image_seg == s]
+            assert len(own) == sample % 3 and np.all(own == sample)  # its own images, in order
+            seen += 1
+        assert not images[image_seg == 0].any()  # empty slots are zeros
+        assert np.count_nonzero(image_seg) <= 3
+    assert seen == 7
+    with pytest.raises(ValueError, match="num_rows=1"):
+        pack_samples(samples, config, num_rows=1)
+    with pytest.raises(ValueError, match="max_images_per_row"):
+        pack_samples(samples, PackingConfig(seq_len=40, max_images_per_row=0))

@@ -126,9 +126,10 @@ def test_packing_in_pipeline(raw):
         return {"tokens": np.arange(1, length + 1, dtype=np.int32), "token_mask": np.ones(length, bool),
                 "state": sample["observation.state"], "actions": sample["action"]}
 
-    config = _config(raw[0], spec=SampleSpec(action_horizon=4, camera_keys=()),
-                     packing=PackingConfig(seq_len=12, max_samples_per_row=3, num_packing_bins=4))
-    with make_data_iterator(config, process_index=0, process_count=1, batch_size=2, seed=0, builder=builder) as it:
+    config = _config(raw[0], spec=SampleSpec(action_horizon=4, camera_keys=()))
+    packing = PackingConfig(seq_len=12, max_samples_per_row=3, num_packing_bins=4, token_keys=("tokens", "token_mask"))
+    with make_data_iterator(config, process_index=0, process_count=1, batch_size=2, seed=0, builder=builder,
+                            packing=packing) as it:
         batch = next(it)
     assert batch["tokens"].shape == batch["segment_ids"].shape == batch["positions"].shape == (2, 12)
     assert batch["token_mask"].dtype == np.bool_

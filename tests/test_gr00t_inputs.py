@@ -1,4 +1,4 @@
-"""GR00T input builder: Eagle chat prompt with image placeholders from a tiny local tokenizer.json; packing."""
+"""GR00T input builder: Eagle chat prompt with image placeholders from a tiny local tokenizer.json; the packed form."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from embodied_jax.models.gr00t_inputs import Gr00tInputBuilder, eagle_prompt, pack_batch
+from embodied_jax.models.gr00t_inputs import Gr00tInputBuilder, eagle_prompt
 
 WORDS = ["[UNK]", "system", "You", "are", "a", "helpful", "assistant", ".", "user", "<", "image", "1", "2", ">",
          "pick", "the", "cube"]
@@ -63,15 +63,21 @@ def test_builder_tokenizes_pads_and_pads_state_and_actions(tokenizer_path):
         builder({**sample, "images": {"front": sample["images"]["front"]}})
 
 
-def test_pack_batch_lays_samples_end_to_end_in_order():
-    tokens = np.array([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]], np.int32)
-    batch = {"tokens": tokens, "token_mask": tokens > 0, "state": np.zeros((3, 2))}
-    packed = pack_batch(batch, row_len=6, num_rows=3)
-    np.testing.assert_array_equal(packed["tokens"], [[5, 6, 7, 8, 9, 0], [1, 2, 3, 4, 0, 0], [0] * 6])
-    np.testing.assert_array_equal(packed["segment_ids"], [[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0], [0] * 6])
-    np.testing.assert_array_equal(packed["positions"], [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 0], [0] * 6])
-    np.testing.assert_array_equal(packed["sample_row"], [0, 0, 1])
-    np.testing.assert_array_equal(packed["sample_segment"], [1, 2, 1])
-    assert "token_mask" not in packed and packed["state"].shape == (3, 2)
-    with pytest.raises(ValueError, match="num_rows=1"):
-        pack_batch(batch, row_len=6, num_rows=1)
+def test_packed_builder_emits_only_the_cameras_a_sample_has(tokenizer_path):
+    kwargs = dict(cameras=("front", "wrist"), image_tokens=4, image_token_id=IMG_ID, max_token_len=64,
+                  max_state_dim=6, action_dim=5)
+    padded, packed = Gr00tInputBuilder(tokenizer_path, **kwargs), Gr00tInputBuilder(tokenizer_path, packed=True, **kwargs)
+    both = {"front": np.zeros((28, 28, 3), np.uint8), "wrist": np.full((28, 28, 3), 255, np.uint8)}
+    sample = {"task": "pick the cube", "state": [0.5], "images": both, "actions": np.ones((3, 4), np.float32)}
+    full = padded(sample)
+    out = packed(sample)
+    np.testing.assert_array_equal(out["tokens"], full["tokens"][full["token_mask"]])  # unpadded, same ids
+    assert out["images"].shape == (2, 28, 28, 3) and "token_mask" not in out and "image_masks" not in out
+    one = packed({**sample, "images": {"wrist": both["wrist"]}})
+    assert int((one["tokens"] == IMG_ID).sum()) == 4 and one["images"].shape == (1, 28, 28, 3)
+    assert one["images"].max() == 1.0 and len(one["tokens"]) < len(out["tokens"])
+    assert packed.tokens_per_image == 4
+    with pytest.raises(KeyError, match="wrist"):
+        padded({**sample, "images": {"front": both["front"]}})
+    with pytest.raises(KeyError, match="not in cameras"):
+        packed({**sample, "images": {"top": both["front"]}})

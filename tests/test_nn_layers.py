@@ -1,7 +1,6 @@
 """Dense/Einsum, norms, RoPE, MLPs, embeddings and LoRA vs NumPy formulas; fsdp-sharded jit."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

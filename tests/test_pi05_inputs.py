@@ -9,7 +9,7 @@ import pytest
 import sentencepiece as spm
 
 from embodied_jax.models.pi05_inputs import (
-    Pi05InputBuilder, build_prompt, discretize_state, pack_rows, resize_with_pad, stack_rows,
+    Pi05InputBuilder, build_prompt, discretize_state, resize_with_pad,
 )
 from embodied_jax.models.tokenizer import JsonTokenizer, SentencePieceTokenizer, load_tokenizer
 
@@ -88,25 +88,22 @@ def test_resize_with_pad_keeps_aspect():
     assert out[3:9].min() >= -1.0 and out[3:9].max() <= 1.0
 
 
-def test_pack_rows_contiguous_segments(sp_model):
-    builder = Pi05InputBuilder(sp_model, camera_names=("base", "wrist"), image_size=(4, 4), max_token_len=128,
-                               max_state_dim=2)
-    samples = [builder({"task": t, "state": np.zeros(2), "images": {"base": np.zeros((4, 4, 3), np.uint8)},
-                        "actions": np.zeros((2, 3))}) for t in ("stack the blocks", "pick up the red cube", "open")]
-    lengths = [int(s["token_mask"].sum()) for s in samples]
-    budget = lengths[0] + lengths[1]  # the first two share a row, the third does not fit
-    samples = [dict(s, tokens=s["tokens"][:budget], token_mask=s["token_mask"][:budget]) for s in samples]
-    rows = pack_rows(samples, camera_slots=("s0", "s1"), max_token_len=budget, samples_per_row=2)
-    assert len(rows) == 2
-    batch = stack_rows(rows)
-    seg = batch["token_segment_ids"]
-    np.testing.assert_array_equal(seg[0], [1] * lengths[0] + [2] * lengths[1])
-    np.testing.assert_array_equal(seg[1], [1] * lengths[2] + [0] * (budget - lengths[2]))
-    np.testing.assert_array_equal(batch["tokens"][0, lengths[0]:], samples[1]["tokens"][: lengths[1]])
-    assert [int(batch["image_segment_ids"][s][0]) for s in ("s0", "s1")] == [1, 2]
-    assert [int(batch["image_segment_ids"][s][1]) for s in ("s0", "s1")] == [1, 0]
-    assert batch["actions"].shape == (2, 2, 2, 32)
-    np.testing.assert_array_equal(batch["action_dim_mask"][1, 1], False)  # empty sample slot
+def test_packed_builder_emits_placeholders_for_present_cameras_only(sp_model):
+    kwargs = dict(camera_names=("base", "wrist"), image_size=(4, 4), max_token_len=128, max_state_dim=2,
+                  image_tokens=3, image_token_id=999)
+    padded, packed = Pi05InputBuilder(sp_model, **kwargs), Pi05InputBuilder(sp_model, packed=True, **kwargs)
+    sample = {"task": "stack the blocks", "state": np.zeros(2), "images": {"wrist": np.zeros((4, 4, 3), np.uint8)},
+              "actions": np.zeros((2, 3))}
+    full, out = padded(sample), packed(sample)
+    prompt = full["tokens"][full["token_mask"]]
+    np.testing.assert_array_equal(out["tokens"], np.concatenate([[999] * 3, prompt]))
+    assert out["images"].shape == (1, 4, 4, 3) and packed.tokens_per_image == 3
+    np.testing.assert_array_equal(out["images"][0], full["images"]["wrist"])
+    np.testing.assert_array_equal(out["action_dim_mask"], full["action_dim_mask"])
+    assert "token_mask" not in out and "image_masks" not in out
+    none = packed({**sample, "images": {}})
+    np.testing.assert_array_equal(none["tokens"], prompt)
+    assert none["images"].shape == (0, 4, 4, 3)
 
 
 def test_sentencepiece_and_json_tokenizers(sp_model, tmp_path):

@@ -1,8 +1,9 @@
 """π0.5 tiny config jitted on an 8-device mesh with FSDP sharding.
 
-Loss, gradients and sampling run sharded; the loss is invariant to prompt padding; a packed
-row of two samples gives each sample its unpacked loss; the prefix-reuse path equals upstream's
-joint forward at flow_samples_per_obs=1, and K=2 draws average the two single-draw losses.
+Loss, gradients and sampling run sharded; the loss is invariant to prompt padding; packed rows
+(``data/packing.py``, block-sparse attention) give each sample its unpacked loss, through the
+prefix cache and the joint forward; the prefix-reuse path equals upstream's joint forward at
+flow_samples_per_obs=1, and K=2 draws average the two single-draw losses.
 """
 import dataclasses
 
@@ -13,7 +14,8 @@ from flax import nnx
 
 from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.pi05 import Pi05Config
-from embodied_jax.models.pi05_inputs import pack_rows, stack_rows, synthetic_samples
+from embodied_jax.data.packing import PackingConfig, pack_samples
+from embodied_jax.models.pi05_inputs import packed_sample, stack_rows, synthetic_samples
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import batch_shardings, mesh_context
@@ -26,7 +28,6 @@ CONFIG = Pi05Config(
     vocab_size=64, camera_names=("base", "left", "right"), max_token_len=16, action_horizon=4,
     max_action_dim=8, action_dim=6, synthetic_prompt_len=6, num_inference_steps=2, attention_impl="xla",
 )
-PACKED = dataclasses.replace(CONFIG, samples_per_row=2, camera_names=("s0", "s1", "s2", "s3"))
 JOINT = dataclasses.replace(CONFIG, joint_forward=True)
 TWO_DRAWS = dataclasses.replace(CONFIG, flow_samples_per_obs=2)
 
@@ -118,18 +119,26 @@ def test_loss_invariant_to_prompt_padding(env):
     np.testing.assert_allclose(float(longer), float(base), rtol=1e-5)
 
 
-def test_packed_rows_give_unpacked_losses(env):
-    rows = pack_rows(env["samples"], camera_slots=PACKED.camera_names, max_token_len=PACKED.max_token_len,
-                     samples_per_row=2)
-    assert len(rows) == BATCH // 2  # two samples per row
-    packed_batch = stack_rows(rows)
-    hz, ad = CONFIG.action_horizon, CONFIG.max_action_dim
+@pytest.mark.parametrize("joint", [False, True])
+def test_packed_rows_give_unpacked_losses(env, joint):
+    cams = [(1, 0, 0), (1, 1, 0), (0, 1, 1), (1, 1, 1), (0, 0, 1), (1, 0, 1), (0, 1, 0), (1, 1, 1)]
+    samples = [dict(s, image_masks={c: np.bool_(v) for c, v in zip(CONFIG.camera_names, m)}, sid=np.int32(i))
+               for i, (s, m) in enumerate(zip(env["samples"], cams))]
+    patches = CONFIG.vision.num_patches
+    packed = [packed_sample(s, CONFIG.camera_names, patches, CONFIG.image_token_id) for s in samples]
+    # rows of two full samples: some rows hold three short ones, the rest pad
+    config = PackingConfig(seq_len=2 * (3 * patches + 8), max_samples_per_row=3, max_images_per_row=6)
+    batch = pack_samples(packed, config, num_rows=8)
+    assert batch["images"].shape[1] == 6 and batch["sample_mask"].sum() == BATCH
+    assert np.all(batch["sample_mask"].sum(1) <= 3) and batch["sample_mask"][:, 1].any()
+    sid = np.where(batch["sample_mask"], batch.pop("sid"), 0)
+    unpadded = stack_rows([{k: v for k, v in s.items() if k != "sid"} for s in samples])
     with mesh_context(env["mesh"]):
-        _, unpacked = loss_terms(env["model"], put(env, env["batch"]), env["noise"], env["time"])
-        packed_model = with_config(env["model"], PACKED)
-        _, per_sample = loss_terms(packed_model, packed_batch,  # 4 rows: not split over 8 devices
-                                   env["noise"].reshape(BATCH // 2, 2, hz, ad), env["time"].reshape(BATCH // 2, 2))
-    np.testing.assert_allclose(np.asarray(per_sample).reshape(-1), np.asarray(unpacked).reshape(-1), rtol=2e-5)
+        model = with_config(env["model"], JOINT) if joint else env["model"]
+        _, unpacked = loss_terms(model, put(env, unpadded), env["noise"], env["time"])
+        _, per_sample = loss_terms(model, put(env, batch), env["noise"][sid], env["time"][sid])
+    got = np.asarray(per_sample)[batch["sample_mask"]]
+    np.testing.assert_allclose(got, np.asarray(unpacked).reshape(-1)[sid[batch["sample_mask"]]], rtol=2e-5)
 
 
 def test_prefix_reuse_equals_joint_forward_and_averages_draws(env):

@@ -1,7 +1,6 @@
 """Orbax checkpoints: cross-mesh resume, retention, SIGTERM final save, SIGKILL during a save."""
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess

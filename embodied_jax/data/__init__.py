@@ -16,9 +16,12 @@ Modules (one concept each):
   delta actions), over a `LeRobotDataset` or a `FrameStore` alike.
 - `stats`: streaming `compute_stats`, `NormStats` (JSON), `Normalizer` (mean_std/min_max/quantile).
 - `transforms`: resize-with-pad, random crop, rotation, colour jitter, uint8 -> float [-1, 1].
-- `packing`: first-fit packing to `segment_ids`/`positions` rows (Grain's packer).
+- `packing`: the one packer of every model: `PackingConfig` (`seq_len` 0 = off), `pack` (a Grain
+  dataset of unpadded samples -> rows with `segment_ids`/`positions`, image slots with
+  `image_segment_ids`, per-sample values with `sample_mask`), `pack_samples` (a list -> a batch).
 - `pipeline`: `DataConfig`, `SourceConfig`, `make_data_iterator(config, *, process_index,
-  process_count, batch_size, seed, builder=None)` -> `DataIterator` with JSON `get_state()`/`set_state()`.
+  process_count, batch_size, seed, builder=None, packing=PackingConfig())` -> `DataIterator`
+  with JSON `get_state()`/`set_state()`.
 - `framestore` / `convert`: TensorStore zarr3 store of pre-resized frames; `python -m embodied_jax.data.convert`.
 - `inspect`: `python -m embodied_jax.data.inspect DIR [--episode E --frame F --save OUT.npz]`.
 - `modality`: GR00T `meta/modality.json`; `video`: PyAV codecs; `synthetic`: self-identifying test episodes.

@@ -10,7 +10,8 @@ Order of operations (all lazy, per index, on a `grain.MapDataset`):
    then apply the model's input builder (a plain callable from the experiment config);
 3. this process takes every `process_count`-th record starting at `process_index`, so the
    processes' shards are disjoint and together cover each epoch;
-4. optional first-fit packing, batching, and `mp_prefetch` worker processes.
+4. optional first-fit packing (``data/packing.py``; ``batch_size`` then counts rows),
+   batching, and `mp_prefetch` worker processes.
 
 `make_data_iterator` returns a `DataIterator` whose `get_state()` is JSON-serialisable and
 whose `set_state()` makes a restored run yield exactly the batches an uninterrupted run would.
@@ -59,7 +60,6 @@ class DataConfig:
     read_buffer: int = 64
     tolerance_s: float = 1e-4
     skip_bad_episodes: bool = False
-    packing: PackingConfig | None = None
 
 
 def open_source(source: SourceConfig, config: DataConfig):
@@ -210,27 +210,27 @@ class DataIterator:
 
 
 def make_data_iterator(config: DataConfig, *, process_index: int, process_count: int, batch_size: int, seed: int,
-                       builder: Callable[[dict], dict] | None = None, stats: NormStats | None = None) -> DataIterator:
-    """Per-process batches of `batch_size` samples for this process's shard of `config`'s data.
+                       builder: Callable[[dict], dict] | None = None, stats: NormStats | None = None,
+                       packing: PackingConfig = PackingConfig()) -> DataIterator:
+    """Per-process batches of `batch_size` samples (packed rows when `packing` is on) for this
+    process's shard of `config`'s data.
 
-    `builder(sample) -> sample` is the model's input builder (prompt tokens etc.); `stats`
-    overrides statistics from `config.stats_path` or computed from the sources.
+    `builder(sample) -> sample` is the model's input builder (prompt tokens etc.; with packing,
+    its variable-length form); `stats` overrides statistics from `config.stats_path` or
+    computed from the sources.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     samples, stats, sources = build_dataset(config, process_index=process_index, process_count=process_count,
                                             seed=seed, builder=builder, stats=stats)
     ds = samples.to_iter_dataset(grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=config.read_buffer))
-    if config.packing is not None:
-        probe = samples[0]
-        meta = tuple(k for k in probe if k not in config.packing.token_keys)
-        dtypes = tuple(np.asarray(probe[k]).dtype for k in config.packing.token_keys)
-        ds = pack(ds, config.packing, seed=seed, meta_keys=meta, token_dtypes=dtypes)
+    if packing.enabled:
+        ds = pack(ds, packing, seed=seed, probe=samples[0])
     ds = ds.batch(batch_size, drop_remainder=True)
     if config.num_workers > 0:
         _ensure_absl_flags()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers,
                                                          per_worker_buffer_size=config.worker_buffer_size))
     description = {"process_index": process_index, "process_count": process_count, "batch_size": batch_size,
-                   "seed": seed, "num_workers": config.num_workers, "packed": config.packing is not None}
+                   "seed": seed, "num_workers": config.num_workers, "packed": packing.enabled}
     return DataIterator(ds, stats=stats, sources=sources, description=description)

@@ -17,9 +17,11 @@ Names map to upstream as ``attn1.to_out`` <- ``attn1.to_out.0``, ``ff.proj_in`` 
 ``ff.net.0.proj``, ``ff.proj_out`` <- ``ff.net.2`` (see ``models/weights/gr00t_n15.py``).
 
 Masking: queries and keys carry segment ids (``nn.attention``). Cross-attention takes the
-VL ``context`` per *row* (``[R, S, D]``) and a ``context_index`` [B] naming each sample's
-row, so several samples' VL sequences can share one packed row: keys/values are projected
-once per row and gathered per sample, and a sample attends only keys of its own segment.
+VL ``context`` per *row* (``[R, S, D]``) and optionally ``context_gather`` = (rows [B],
+token indices [B, W]): sample b's keys/values are tokens ``index[b]`` of row ``rows[b]``,
+so several samples' VL sequences can share one packed row. Keys/values are projected once
+per row and only each sample's window of W tokens (its segment) is gathered, so a sample's
+cross-attention costs its own tokens, not the row's.
 
 Dropout (upstream 0.2 in both): the attention output passes ``to_out``'s dropout and the
 block's ``final_dropout`` (rate p twice, applied here as one draw of rate 1-(1-p)^2, the
@@ -75,14 +77,15 @@ class Attention(nnx.Module):
         self.to_v = Dense(context_dim or dim, inner, axes=("embed", "heads"), **common)
         self.to_out = Dense(inner, dim, axes=("heads", "embed"), **common)
 
-    def __call__(self, x, q_segment_ids, context=None, kv_segment_ids=None, context_index=None):
+    def __call__(self, x, q_segment_ids, context=None, kv_segment_ids=None, context_gather=None, bounds=None):
         b, t, _ = x.shape
         source = x if context is None else context
         q = self.to_q(x).reshape(b, t, self.heads, self.head_dim)
         k = self.to_k(source)
         v = self.to_v(source).astype(k.dtype)
-        if context_index is not None:  # rows -> samples, after projecting each row once
-            k, v = jnp.take(k, context_index, axis=0), jnp.take(v, context_index, axis=0)
+        if context_gather is not None:  # rows -> samples' windows, after projecting each row once
+            rows, index = context_gather
+            k, v = k[rows[:, None], index], v[rows[:, None], index]
         s = k.shape[1]
         k = k.reshape(b, s, self.heads, self.head_dim)
         v = v.reshape(b, s, self.heads, self.head_dim)
@@ -93,7 +96,7 @@ class Attention(nnx.Module):
             q, k.astype(q.dtype), v.astype(q.dtype),
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             q_block_ids=jnp.zeros_like(q_segment_ids), kv_block_ids=jnp.zeros_like(kv_segment_ids),
-            impl=self.impl,
+            impl=self.impl, bounds=bounds,
         )
         return self.to_out(out.reshape(b, t, self.heads * self.head_dim))
 
@@ -133,12 +136,12 @@ class BasicTransformerBlock(nnx.Module):
         self.ff = FeedForward(dim, spec, rngs=rngs)
 
     def __call__(self, x, temb=None, q_segment_ids=None, context=None, kv_segment_ids=None,
-                 context_index=None, key=None):
+                 context_gather=None, key=None, bounds=None):
         h = self.norm1(x, temb) if self.ada_norm else self.norm1(x)
         if self.is_cross:
-            h = self.attn1(h, q_segment_ids, context, kv_segment_ids, context_index)
+            h = self.attn1(h, q_segment_ids, context, kv_segment_ids, context_gather)
         else:
-            h = self.attn1(h, q_segment_ids)
+            h = self.attn1(h, q_segment_ids, bounds=bounds)
         k_attn, k_ff = jax.random.split(key) if key is not None else (None, None)
         x = shard_tokens(x + dropout(h, 1.0 - (1.0 - self.rate) ** 2, k_attn).astype(x.dtype))
         return shard_tokens(x + self.ff(self.norm3(x), k_ff).astype(x.dtype))
@@ -193,9 +196,9 @@ class DiTBlockPair(nnx.Module):
                                                  context_dim=cfg.cross_attention_dim, rngs=rngs)
         self.self_block = BasicTransformerBlock(dim, cfg.num_heads, cfg.head_dim, spec, ada_norm=True, rngs=rngs)
 
-    def __call__(self, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids, context_index, key=None):
+    def __call__(self, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids, context_gather, key=None):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
-        x = self.cross_block(x, temb, q_segment_ids, context, kv_segment_ids, context_index, k1)
+        x = self.cross_block(x, temb, q_segment_ids, context, kv_segment_ids, context_gather, k1)
         return self.self_block(x, temb, self_segment_ids, key=k2)
 
 
@@ -206,9 +209,9 @@ class CrossBlock(nnx.Module):
         self.block = BasicTransformerBlock(cfg.inner_dim, cfg.num_heads, cfg.head_dim, spec, ada_norm=True,
                                            context_dim=cfg.cross_attention_dim, rngs=rngs)
 
-    def __call__(self, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids, context_index, key=None):
+    def __call__(self, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids, context_gather, key=None):
         del self_segment_ids
-        return self.block(x, temb, q_segment_ids, context, kv_segment_ids, context_index, key)
+        return self.block(x, temb, q_segment_ids, context, kv_segment_ids, context_gather, key)
 
 
 class DiT(nnx.Module):
@@ -230,15 +233,15 @@ class DiT(nnx.Module):
         self.proj_out_1 = Dense(dim, 2 * dim, axes=("cond", "embed"), **common)
         self.proj_out_2 = Dense(dim, cfg.output_dim, axes=("embed", "mlp"), **common)
 
-    def __call__(self, x, timesteps, context, *, q_segment_ids, kv_segment_ids, context_index=None, key=None):
+    def __call__(self, x, timesteps, context, *, q_segment_ids, kv_segment_ids, context_gather=None, key=None):
         """x [B, T, D]; timesteps int [B]; context [R, S, Dc]; q_segment_ids [B, T] (the
-        sample's segment in its context row); kv_segment_ids [B, S] (already per sample)."""
+        sample's segment in its context row); kv_segment_ids [B, W] (already per sample)."""
         temb = shard_tokens(self.timestep_encoder(timesteps))  # [B, D]: split like the batch, not the weights
         self_segment_ids = jnp.ones(x.shape[:2], jnp.int32)
         keys = PerLayer(jax.random.split(key, self.num_steps)) if key is not None else None
         x = run_stack(
             self.transformer_blocks, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids,
-            context_index, keys, scan=self.scan_layers, remat_policy=self.remat_policy,
+            context_gather, keys, scan=self.scan_layers, remat_policy=self.remat_policy,
         )
         shift, scale = jnp.split(self.proj_out_1(jax.nn.silu(temb)).astype(jnp.float32), 2, axis=-1)
         h = layer_normalize(x, 1e-6) * (1.0 + scale[:, None]) + shift[:, None]
@@ -265,7 +268,7 @@ class SelfAttentionTransformer(nnx.Module):
             cfg.num_layers, scan=scan_layers, rngs=rngs,
         )
 
-    def __call__(self, x, segment_ids, key=None):
+    def __call__(self, x, segment_ids, key=None, bounds=None):
         keys = PerLayer(jax.random.split(key, self.cfg.num_layers)) if key is not None else None
-        return run_stack(self.transformer_blocks, x, None, segment_ids, key=keys,
+        return run_stack(self.transformer_blocks, x, None, segment_ids, key=keys, bounds=bounds,
                          scan=self.scan_layers, remat_policy=self.remat_policy)

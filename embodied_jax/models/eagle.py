@@ -2,13 +2,12 @@
 
 ``Eagle25`` mirrors upstream ``eagle_model`` (``vision_model``, ``mlp1``, ``language_model``):
 image embeddings (after the projector) replace the embeddings of the ``<IMG_CONTEXT>``
-image-context tokens, in order: the k-th such token of the token stream (row-major over
-the batch) receives the k-th image token of the images (image-major), exactly like
-upstream's ``input_embeds[selected] = vit_embeds.reshape(-1, C)``. This also holds for
-packed rows as long as samples appear in the rows in sample order. Unpacked batches (each
-row's images are its own cameras) take the same values row by row, which keeps a
-batch-sharded step local. The language model is
-built with ``select_layer`` layers; the features are its final RMSNorm output.
+image-context tokens, in order, row by row: the k-th such token of row r receives the
+k-th image token of row r's images (``nn.embeddings.fill_image_tokens``). For an unpacked
+batch (a row's images are its sample's cameras) that is exactly upstream's batch-wide
+``input_embeds[selected] = vit_embeds.reshape(-1, C)``; for a packed row it is each
+sample's images at its own tokens. The language model is built with ``select_layer``
+layers; the features are its final RMSNorm output.
 
 ``EagleBackbone`` is upstream's ``backbone`` (``eagle_linear`` is the identity in N1.5:
 ``project_to_dim=None``, so it holds no parameters).
@@ -25,6 +24,7 @@ from flax import nnx
 from embodied_jax.models.qwen3 import Qwen3Config, Qwen3Model
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
 from embodied_jax.nn.dense import Dense
+from embodied_jax.nn.embeddings import fill_image_tokens
 from embodied_jax.parallel.partition import shard_tokens
 
 
@@ -33,28 +33,6 @@ class EagleConfig:
     vision: SiglipConfig
     llm: Qwen3Config  # num_layers = the layers kept (upstream select_layer)
     image_token_id: int = 151669
-
-
-def replace_image_tokens(embeddings, tokens, image_embeddings, image_token_id: int, images_per_row: int | None = None):
-    """Put image_embeddings [N, P, D] (flattened in order) at the image-context tokens of [R, L].
-
-    ``images_per_row``: when row r's image tokens are exactly images r·k .. r·k + k - 1 (an
-    unpacked batch with k cameras), the fill runs row by row, so a batch-sharded step keeps
-    it local; the global fill (``None``) needs the whole batch on every device."""
-    r, length, d = embeddings.shape
-    if images_per_row is not None:
-        rows = image_embeddings.reshape(r, -1, d)
-        is_image = tokens == image_token_id
-        index = jnp.clip(jnp.cumsum(is_image.astype(jnp.int32), axis=1) - 1, 0, rows.shape[1] - 1)
-        gathered = jnp.take_along_axis(rows, index[..., None], axis=1).astype(embeddings.dtype)
-        return jnp.where(is_image[..., None], gathered, embeddings)
-    flat_tokens = tokens.reshape(-1)
-    is_image = flat_tokens == image_token_id
-    image_flat = image_embeddings.reshape(-1, d)
-    index = jnp.clip(jnp.cumsum(is_image.astype(jnp.int32)) - 1, 0, image_flat.shape[0] - 1)
-    gathered = jnp.take(image_flat, index, axis=0).astype(embeddings.dtype)
-    out = jnp.where(is_image[:, None], gathered, embeddings.reshape(-1, d))
-    return out.reshape(r, length, d)
 
 
 class Eagle25(nnx.Module):
@@ -74,12 +52,16 @@ class Eagle25(nnx.Module):
         return self.mlp1(self.vision_model(images))
 
     def __call__(self, images, tokens, positions, q_segment_ids, kv_segment_ids=None, *, causal_blocks=True,
-                 images_per_row: int | None = None):
+                 bounds=None):
+        """images [R, k, H, W, 3] (row r's image-context tokens take its k images in order) or None."""
         emb = self.language_model.embed(tokens)
         if images is not None:
-            emb = replace_image_tokens(emb, tokens, self.image_features(images), self.cfg.image_token_id,
-                                       images_per_row)
-        return self.language_model(shard_tokens(emb), positions, q_segment_ids, kv_segment_ids, causal_blocks=causal_blocks)
+            r, k = images.shape[:2]
+            features = self.image_features(images.reshape(r * k, *images.shape[2:]))
+            rows = features.reshape(r, k * features.shape[1], features.shape[-1])
+            emb = fill_image_tokens(emb, tokens == self.cfg.image_token_id, rows)
+        return self.language_model(shard_tokens(emb), positions, q_segment_ids, kv_segment_ids,
+                                   causal_blocks=causal_blocks, bounds=bounds)
 
 
 class EagleBackbone(nnx.Module):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from embodied_jax.nn.attention import KVCache, attention
+from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import Embed
 from embodied_jax.nn.lora import LoRAConfig
@@ -102,17 +103,17 @@ class TokenLayout:
 
     ``block_ids`` None means full attention inside each segment: with contiguous segments the
     fused backends then take their variable-length path, where padding costs no work.
-    ``max_segments`` (static) bounds the segments per row for those backends.
+    ``bounds`` (static, packed rows) size the block-sparse attention and the varlen kernels.
     """
 
     segment_ids: jax.Array  # int32 [B, T]
     block_ids: jax.Array | None  # int32 [B, T]
     positions: jax.Array  # int32 [B, T]
-    max_segments: int | None = None
+    bounds: SegmentBounds | None = None
 
 
 jax.tree_util.register_dataclass(TokenLayout, data_fields=["segment_ids", "block_ids", "positions"],
-                                 meta_fields=["max_segments"])
+                                 meta_fields=["bounds"])
 
 
 class JointGemmaLayer(nnx.Module):
@@ -151,7 +152,7 @@ class JointGemmaLayer(nnx.Module):
             cache = KVCache(k=cache_k, v=cache_v, segment_ids=cache_ids[0], block_ids=cache_ids[1])
         out = attention(q, k, v, q_segment_ids=layout.segment_ids, kv_segment_ids=layout.segment_ids,
                         q_block_ids=layout.block_ids, kv_block_ids=layout.block_ids, cache=cache,
-                        impl=self.attention_impl, scale=self.head_dim ** -0.5, max_segments=layout.max_segments)
+                        impl=self.attention_impl, scale=self.head_dim ** -0.5, bounds=layout.bounds)
         out = out.reshape(*out.shape[:2], self.num_heads * self.head_dim)
         new_xs, start = [], 0
         for block, x, cond, gate in zip(self.experts, xs, conds, gates):

@@ -13,10 +13,13 @@ Batch (DESIGN.md observation + training keys):
   ``tokens`` int32 [B, L], ``token_mask`` bool [B, L] (the prompt from ``gr00t_inputs``),
   ``state`` [B, max_state_dim], ``embodiment_id`` int32 [B], ``actions`` [B, horizon,
   action_dim], ``action_mask`` [B, horizon, action_dim] (optional; all ones).
-Packed VL layout (``mask_vl_padding=True`` only): ``tokens`` [R, L] hold several samples per
-row with ``segment_ids`` [R, L] (1.. per sample, 0 padding) and ``positions`` [R, L], plus
-``sample_row`` / ``sample_segment`` int32 [B] locating sample b's VL segment. Samples must
-appear in the rows in sample order (image tokens are filled in that order).
+Packed rows (``data/packing.py``, ``mask_vl_padding=True`` only): ``tokens``, ``segment_ids``,
+``positions`` [R, L] hold up to M samples per row (each sample's own cameras only),
+``images`` [R, I, H, W, 3] with ``image_segment_ids`` [R, I], and the per-sample values
+``state``, ``actions``, ``action_mask``, ``embodiment_id`` stacked [R, M, ...] with
+``sample_mask`` [R, M]. The action head runs on the R·M sample slots (empty ones carry no
+loss); the LLM and the adapter use block-sparse attention within each sample's segment and
+the DiT cross-attends only a window of ``max_token_len`` tokens at its sample's segment.
 
 ``image_masks`` are not used: upstream GR00T has no missing-camera masking (every camera's
 image-context tokens are filled from its image).
@@ -40,9 +43,11 @@ from embodied_jax.models.eagle import EagleBackbone, EagleConfig
 from embodied_jax.models.gr00t_action_head import ActionHeadConfig, Gr00tActionHead
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.lora import LoRAConfig
 
-PACKED_KEYS = ("segment_ids", "positions", "sample_row", "sample_segment")
+PACKED_KEYS = ("segment_ids", "positions", "images", "image_segment_ids", "sample_mask")
+PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +181,9 @@ class Gr00tConfig:
     def freeze_regexes(self) -> tuple[str, ...]:
         return freeze_regexes(self)
 
-    def input_builder(self):
-        """The per-sample input builder (Eagle prompt, images, padded state/actions, embodiment id)."""
+    def input_builder(self, packed: bool = False):
+        """The per-sample input builder (Eagle prompt, images, padded state/actions, embodiment id);
+        ``packed``: variable-length samples (only the cameras a sample has) for ``data/packing.py``."""
         from embodied_jax.models.gr00t_inputs import Gr00tInputBuilder
 
         if self.tokenizer_path is None:
@@ -185,7 +191,64 @@ class Gr00tConfig:
         if not 0 <= self.embodiment_id < self.max_num_embodiments:
             raise ValueError(f"Gr00tConfig.embodiment_id={self.embodiment_id} must be in [0, max_num_embodiments="
                              f"{self.max_num_embodiments})")
-        return Gr00tInputBuilder.for_config(self, self.tokenizer_path, embodiment_id=self.embodiment_id)
+        return Gr00tInputBuilder.for_config(self, self.tokenizer_path, embodiment_id=self.embodiment_id,
+                                            packed=packed)
+
+    def training_flops(self, batch) -> dict[str, float]:
+        """Analytic training FLOPs of one step on ``batch`` (NumPy; unpacked or packed rows):
+        ``weights`` (weight matmuls of every token the batch carries, padding included) and
+        ``attention`` (q·k and p·v: dense over an unpacked row, per sample in packed rows;
+        the DiT cross-attends its sample's window). Frozen modules before every trainable
+        one run forward only (``tune_*``)."""
+        from embodied_jax.nn import flops
+
+        tokens = np.asarray(batch["tokens"])
+        rows, length = tokens.shape
+        patches = self.image_tokens
+        if "segment_ids" in batch:
+            seg = np.asarray(batch["segment_ids"])
+            images = rows * int(np.asarray(batch["images"]).shape[1])
+            slots = int(np.asarray(batch["sample_mask"]).size)
+            pairs = sum(flops.attention_pairs(np.bincount(r[r > 0])[1:].tolist()) for r in seg)
+            window = min(length, self.max_token_len)
+        else:
+            images, slots = rows * len(self.cameras), rows
+            pairs = rows * flops.attention_pairs((), dense_length=length)
+            window = length
+        vl_tokens = rows * length
+        dit_tokens = 1 + self.num_future_tokens + self.action_horizon
+        inner = self.dit_heads * self.dit_head_dim
+        vision = dataclasses.replace(self.eagle_config().vision)
+        weights, attention = flops.Tally(), flops.Tally()
+        weights.add(flops.siglip(vision, images) + 2 * images * patches * self.vision_width * self.llm_width,
+                    trains=self.tune_visual)
+        attention.add(0.0, trains=self.tune_visual)
+        llm = dict(width=self.llm_width, heads=self.llm_heads, kv_heads=self.llm_kv_heads, head_dim=self.llm_head_dim)
+        weights.add(self.select_layer * flops.transformer_layer(vl_tokens, 0, mlp_dim=self.llm_mlp_dim, gated=True,
+                                                                **llm), trains=self.tune_llm)
+        attention.add(self.select_layer * 4 * pairs * self.llm_heads * self.llm_head_dim, trains=self.tune_llm)
+        vl = dict(width=self.llm_width, heads=self.vl_heads, kv_heads=self.vl_heads, head_dim=self.vl_head_dim)
+        weights.add(self.vl_layers * flops.transformer_layer(vl_tokens, 0, mlp_dim=4 * self.llm_width, gated=False,
+                                                             **vl), trains=True)
+        attention.add(self.vl_layers * 4 * pairs * self.vl_heads * self.vl_head_dim, trains=True)
+        dit = dict(width=inner, heads=self.dit_heads, kv_heads=self.dit_heads, head_dim=self.dit_head_dim,
+                   mlp_dim=4 * inner, gated=False)
+        cross = self.dit_layers // 2 if self.interleave_self_attention else self.dit_layers
+        tokens_dit = slots * dit_tokens
+        # cross-attention keys/values are projected once per VL token of a row (upstream: per sample)
+        dit_flops = (cross * flops.transformer_layer(tokens_dit, 0, context_tokens=vl_tokens,
+                                                     context_width=self.llm_width, **dit)
+                     + (self.dit_layers - cross) * flops.transformer_layer(tokens_dit, 0, **dit))
+        head = 2 * slots * (self.max_state_dim * self.hidden_size + self.hidden_size * self.input_embedding_dim
+                            + self.action_horizon * (self.action_dim * self.input_embedding_dim
+                                                     + 3 * self.input_embedding_dim ** 2
+                                                     + self.hidden_size * self.hidden_size
+                                                     + self.hidden_size * self.action_dim))
+        head += 2 * slots * inner * 2 * inner * (self.dit_layers + 1)  # AdaLayerNorms and proj_out_1, per sample
+        weights.add(dit_flops + head, trains=self.tune_diffusion_model or self.tune_projector)
+        attention.add(4 * slots * dit_tokens * (cross * window + (self.dit_layers - cross) * dit_tokens)
+                      * self.dit_heads * self.dit_head_dim, trains=self.tune_diffusion_model)
+        return {"weights": weights.total, "attention": attention.total}
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
@@ -256,47 +319,72 @@ class Gr00tPolicy(nnx.Module):
     def _vl_layout(self, obs):
         """Segment ids and positions for the LLM, the adapter and the DiT cross-attention."""
         tokens = jnp.asarray(obs["tokens"], jnp.int32)
-        packed = "segment_ids" in obs
-        if packed:
-            if not self.cfg.mask_vl_padding:
-                raise ValueError("packed VL batches (segment_ids) need Gr00tConfig.mask_vl_padding=True")
-            missing = [k for k in PACKED_KEYS if k not in obs]
-            if missing:
-                raise KeyError(f"packed GR00T batch lacks {missing} (needs all of {PACKED_KEYS})")
-            seg = jnp.asarray(obs["segment_ids"], jnp.int32)
-            positions = jnp.asarray(obs["positions"], jnp.int32)
-            row = jnp.asarray(obs["sample_row"], jnp.int32)
-            return dict(tokens=tokens, positions=positions, llm_q=seg, llm_kv=seg, causal=True, adapter=seg,
-                        dit_q=jnp.asarray(obs["sample_segment"], jnp.int32), dit_kv=jnp.take(seg, row, axis=0),
-                        context_index=row)
+        if "segment_ids" in obs:
+            return self._packed_layout(obs, tokens)
         mask = jnp.asarray(obs["token_mask"], bool)
         b, length = tokens.shape
         seg = mask.astype(jnp.int32)
         ones = jnp.ones((b, length), jnp.int32)
+        base = dict(tokens=tokens, context_gather=None, bounds=None)
         if self.cfg.mask_vl_padding:
             positions = jnp.maximum(jnp.cumsum(seg, axis=1) - 1, 0)
-            return dict(tokens=tokens, positions=positions, llm_q=seg, llm_kv=seg, causal=True, adapter=seg,
-                        dit_q=jnp.ones((b,), jnp.int32), dit_kv=seg, context_index=None)
+            return dict(base, positions=positions, llm_q=seg, llm_kv=seg, causal=True, adapter=seg,
+                        dit_q=jnp.ones((b,), jnp.int32), dit_kv=seg)
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))  # HF: cache positions
-        return dict(tokens=tokens, positions=positions, llm_q=ones, llm_kv=seg, causal=False, adapter=ones,
-                    dit_q=jnp.ones((b,), jnp.int32), dit_kv=ones, context_index=None)
+        return dict(base, positions=positions, llm_q=ones, llm_kv=seg, causal=False, adapter=ones,
+                    dit_q=jnp.ones((b,), jnp.int32), dit_kv=ones)
+
+    def _packed_layout(self, obs, tokens):
+        if not self.cfg.mask_vl_padding:
+            raise ValueError("packed GR00T batches (segment_ids) need Gr00tConfig.mask_vl_padding=True")
+        missing = [k for k in PACKED_KEYS if k not in obs]
+        if missing:
+            raise KeyError(f"packed GR00T batch lacks {missing} (needs all of {PACKED_KEYS})")
+        seg = jnp.asarray(obs["segment_ids"], jnp.int32)
+        present = jnp.asarray(obs["sample_mask"], bool)
+        r, length = seg.shape
+        m = present.shape[1]
+        ids = jnp.arange(1, m + 1, dtype=jnp.int32)
+        # Sample slot (row, m) cross-attends the window of its segment: it starts where segment m does.
+        member = seg[:, None, :] == ids[None, :, None]  # [R, M, L]
+        start = jnp.argmax(member, axis=-1).reshape(-1)
+        window = min(length, self.cfg.max_token_len)
+        index = jnp.minimum(start[:, None], length - window) + jnp.arange(window, dtype=jnp.int32)
+        rows = jnp.repeat(jnp.arange(r, dtype=jnp.int32), m)
+        dit_q = jnp.where(present, ids[None], 0).reshape(-1)
+        bounds = SegmentBounds(max_segments=m, max_q_len=self.cfg.max_token_len, max_kv_len=self.cfg.max_token_len)
+        return dict(tokens=tokens, positions=jnp.asarray(obs["positions"], jnp.int32), llm_q=seg, llm_kv=seg,
+                    causal=True, adapter=seg, dit_q=dit_q, dit_kv=seg[rows[:, None], index],
+                    context_gather=(rows, index), bounds=bounds)
 
     def _images(self, obs):
+        """[R, k, H, W, 3]: a packed row's image slots, or an unpacked sample's cameras."""
         images = obs["images"]
+        if not isinstance(images, dict):
+            return jnp.asarray(images)
         missing = [c for c in self.cfg.cameras if c not in images]
         if missing:
             raise KeyError(f"observation['images'] lacks cameras {missing}; config cameras {self.cfg.cameras}")
-        stacked = jnp.stack([jnp.asarray(images[c]) for c in self.cfg.cameras], axis=1)  # [B, C, H, W, 3]
-        return stacked.reshape((-1,) + stacked.shape[2:])
+        return jnp.stack([jnp.asarray(images[c]) for c in self.cfg.cameras], axis=1)
 
     def vl_features(self, obs, key=None):
         """Adapter output [R, S, D] and the per-sample attention layout for the DiT."""
         layout = self._vl_layout(obs)
-        per_row = None if layout["context_index"] is not None else len(self.cfg.cameras)  # packed: global fill
         features = self.backbone(self._images(obs), layout["tokens"], layout["positions"], layout["llm_q"],
-                                 layout["llm_kv"], causal_blocks=layout["causal"], images_per_row=per_row)
-        features = self.action_head.process_backbone_output(features, layout["adapter"], key)
+                                 layout["llm_kv"], causal_blocks=layout["causal"], bounds=layout["bounds"])
+        features = self.action_head.process_backbone_output(features, layout["adapter"], key, layout["bounds"])
         return features, layout
+
+    @staticmethod
+    def per_sample(batch) -> tuple[dict[str, jax.Array], jax.Array]:
+        """The action-side values one per sample slot ([R·M, ...] for packed rows) and each slot's
+        presence (float32; all ones unpacked)."""
+        out = {k: jnp.asarray(batch[k]) for k in PER_SAMPLE_KEYS if k in batch}
+        if "sample_mask" not in batch:
+            return out, jnp.ones(jnp.asarray(batch["embodiment_id"]).shape[:1], jnp.float32)
+        present = jnp.asarray(batch["sample_mask"], bool)
+        flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
+        return flat, present.reshape(-1).astype(jnp.float32)
 
     # ----- flow matching
     def sample_time(self, key, batch_size: int):
@@ -304,26 +392,28 @@ class Gr00tPolicy(nnx.Module):
         return (self.cfg.noise_s - beta) / self.cfg.noise_s
 
     def per_sample_losses(self, batch, rng, *, noise=None, time=None, dropout: bool = True):
-        """(per-sample masked squared-error sums [B], per-sample mask counts [B]).
+        """(per-sample masked squared-error sums [N], per-sample mask counts [N]); N = R·M slots for
+        packed rows (an empty slot counts 0), explicit ``noise`` [N, horizon, A] / ``time`` [N].
 
         ``dropout=False`` turns off the DiT/adapter dropout (deterministic evaluation). As upstream,
         a frozen DiT (``tune_diffusion_model=False``) runs without dropout (eval mode)."""
-        actions = jnp.asarray(batch["actions"], jnp.float32)
+        samples, present = self.per_sample(batch)
+        actions = samples["actions"].astype(jnp.float32)
         b = actions.shape[0]
         k_noise, k_time, k_adapter, k_dit = jax.random.split(rng, 4)
         train_dropout = dropout and (self.cfg.dit_dropout > 0 or self.cfg.vl_dropout > 0)
         noise = jax.random.normal(k_noise, actions.shape) if noise is None else jnp.asarray(noise, jnp.float32)
         t = self.sample_time(k_time, b) if time is None else jnp.asarray(time, jnp.float32).reshape(b)
         vl, layout = self.vl_features(batch, k_adapter if train_dropout else None)
-        slots = jnp.asarray(batch["embodiment_id"], jnp.int32)
+        slots = samples["embodiment_id"].astype(jnp.int32)
         head = self.action_head
-        state_features = head.encode_state(jnp.asarray(batch["state"], jnp.float32), slots)
+        state_features = head.encode_state(samples["state"].astype(jnp.float32), slots)
         x_t = (1.0 - t[:, None, None]) * noise + t[:, None, None] * actions
         buckets = jnp.floor(t * self.cfg.num_timestep_buckets).astype(jnp.int32)
         velocity = head.velocity(state_features, x_t, buckets, slots, vl, q_segment_ids=layout["dit_q"],
-                                 kv_segment_ids=layout["dit_kv"], context_index=layout["context_index"],
+                                 kv_segment_ids=layout["dit_kv"], context_gather=layout["context_gather"],
                                  key=k_dit if train_dropout and self.cfg.tune_diffusion_model else None)
-        mask = jnp.asarray(batch.get("action_mask", jnp.ones_like(actions)), jnp.float32)
+        mask = samples.get("action_mask", jnp.ones_like(actions)).astype(jnp.float32) * present[:, None, None]
         sq = jnp.square(velocity - (actions - noise)) * mask
         return sq.sum(axis=(1, 2)), mask.sum(axis=(1, 2))
 
@@ -336,14 +426,15 @@ class Gr00tPolicy(nnx.Module):
         buckets = jnp.floor(jnp.asarray(time, jnp.float32) * self.cfg.num_timestep_buckets).astype(jnp.int32)
         return head.velocity(state_features, jnp.asarray(noisy_actions, jnp.float32), buckets, slots, vl,
                              q_segment_ids=layout["dit_q"], kv_segment_ids=layout["dit_kv"],
-                             context_index=layout["context_index"])
+                             context_gather=layout["context_gather"])
 
     def loss(self, batch, rng, *, noise=None, time=None):
         errors, counts = self.per_sample_losses(batch, rng, noise=noise, time=time)
         loss = errors.sum() / jnp.maximum(counts.sum(), 1.0)
         seg = batch["segment_ids"] if "segment_ids" in batch else batch["token_mask"]
         tokens = jnp.sum(jnp.asarray(seg) > 0)
-        return loss, {"loss": loss, "tokens": tokens}
+        examples = jnp.sum(self.per_sample(batch)[1] > 0, dtype=jnp.int32)
+        return loss, {"loss": loss, "tokens": tokens, "examples": examples}
 
     def sample_actions(self, observation, rng, *, num_steps=None, noise=None):
         cfg = self.cfg
@@ -364,7 +455,7 @@ class Gr00tPolicy(nnx.Module):
             head = nnx.merge(graphdef, head_state)
             v = head.velocity(state_features, x, jnp.full((b,), buckets[i]), slots, vl,
                               q_segment_ids=layout["dit_q"], kv_segment_ids=layout["dit_kv"],
-                              context_index=layout["context_index"])
+                              context_gather=layout["context_gather"])
             return x + dt * v, head_state
 
         return jax.lax.fori_loop(0, k, step, (x, state))[0]

@@ -143,11 +143,12 @@ class Gr00tActionHead(nnx.Module):
         else:
             self.position_embedding = None
 
-    def process_backbone_output(self, features, segment_ids, key=None):
-        """VL LayerNorm + adapter over [R, S, D] features; ``segment_ids`` [R, S] mask the adapter."""
+    def process_backbone_output(self, features, segment_ids, key=None, bounds=None):
+        """VL LayerNorm + adapter over [R, S, D] features; ``segment_ids`` [R, S] mask the adapter
+        (``bounds``: packed rows, see ``nn.block_sparse``)."""
         if self.vlln is None:
             return features
-        return self.vl_self_attention(self.vlln(features), segment_ids, key)
+        return self.vl_self_attention(self.vlln(features), segment_ids, key, bounds)
 
     def encode_state(self, state, slot_ids):
         """state [B, S] (or [B, 1, S]) -> [B, 1, D]."""
@@ -155,7 +156,7 @@ class Gr00tActionHead(nnx.Module):
         return self.state_encoder(state, slot_ids)
 
     def velocity(self, state_features, noisy_actions, buckets, slot_ids, vl_features, *, q_segment_ids,
-                 kv_segment_ids, context_index=None, key=None):
+                 kv_segment_ids, context_gather=None, key=None):
         """Predicted velocity [B, horizon, action_dim] for noisy actions at timestep ``buckets`` [B]."""
         b, horizon, _ = noisy_actions.shape
         action_features = self.action_encoder(noisy_actions, buckets, slot_ids)
@@ -169,5 +170,5 @@ class Gr00tActionHead(nnx.Module):
         ))
         q_seg = jnp.broadcast_to(q_segment_ids[:, None], sequence.shape[:2])
         out = self.model(sequence, buckets, vl_features, q_segment_ids=q_seg, kv_segment_ids=kv_segment_ids,
-                         context_index=context_index, key=key)
+                         context_gather=context_gather, key=key)
         return self.action_decoder(out, slot_ids)[:, -horizon:].astype(jnp.float32)

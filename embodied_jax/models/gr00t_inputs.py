@@ -10,13 +10,13 @@ expanded as Eagle's processor does to ``<image k><img>`` + ``<IMG_CONTEXT>`` x 2
 
 The Qwen3 tokenizer is read from a local ``tokenizer.json`` (``tokenizers`` package); the
 special tokens above must be in its added vocabulary and ``<IMG_CONTEXT>`` must have the
-config's ``image_token_id``. Prompts are right-padded (``token_mask`` marks real tokens).
-State is zero-padded to ``max_state_dim``, actions to ``action_dim`` with an ``action_mask``.
+config's ``image_token_id``. State is zero-padded to ``max_state_dim``, actions to
+``action_dim`` with an ``action_mask``.
 
-``pack_batch`` turns an unpacked batch into the packed VL layout ``Gr00tPolicy`` accepts:
-samples' prompts laid end to end in rows (in sample order), ``segment_ids``/``positions``
-per token, and ``sample_row``/``sample_segment`` per sample; the action-side arrays stay
-per sample.
+Two output forms: unpadded (``packed=False``, the Observation contract) has every
+configured camera and the prompt right-padded to ``max_token_len`` (``token_mask`` marks
+real tokens); ``packed=True`` emits a sample for ``data/packing.py``: the prompt unpadded,
+with image blocks for the cameras the sample has only, and ``images`` [n, H, W, 3].
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ class Gr00tInputBuilder:
     embodiment_id: int = 31  # upstream "new_embodiment"
     pad_token: str = "<|endoftext|>"
     image_size: int | None = None  # expected square image side (None: not checked)
+    packed: bool = False  # emit variable-length samples for the packer (module docstring)
 
     def __post_init__(self):
         tok = JsonTokenizer(self.tokenizer_path, pad_token=self.pad_token)
@@ -71,6 +72,11 @@ class Gr00tInputBuilder:
     def tokenizer(self) -> JsonTokenizer:
         return self._tokenizer
 
+    @property
+    def tokens_per_image(self) -> int:
+        """Placeholder tokens one image costs in a packed row (at least; its tags add a few)."""
+        return self.image_tokens
+
     @classmethod
     def for_config(cls, cfg, tokenizer_path, **kwargs) -> "Gr00tInputBuilder":
         """A builder matching a ``Gr00tConfig``'s cameras, lengths and dimensions."""
@@ -79,15 +85,20 @@ class Gr00tInputBuilder:
                    max_state_dim=cfg.max_state_dim, action_dim=cfg.action_dim, image_size=cfg.image_size,
                    **kwargs)
 
-    def tokenize(self, task: str) -> tuple[np.ndarray, np.ndarray]:
-        ids = self._tokenizer.encode(eagle_prompt(task.strip(), len(self.cameras), self.image_tokens))
+    def prompt_ids(self, task: str, num_images: int) -> np.ndarray:
+        """The unpadded prompt's token ids (int32) for ``num_images`` image blocks."""
+        ids = self._tokenizer.encode(eagle_prompt(task.strip(), num_images, self.image_tokens))
         if len(ids) > self.max_token_len:
             raise ValueError(f"GR00T prompt has {len(ids)} tokens, more than max_token_len={self.max_token_len} "
                              f"(task: {task[:60]!r})")
         found = sum(i == self.image_token_id for i in ids)
-        if found != len(self.cameras) * self.image_tokens:
+        if found != num_images * self.image_tokens:
             raise ValueError(f"{self.tokenizer_path}: the prompt tokenised to {found} {IMAGE_CONTEXT} tokens, "
-                             f"expected {len(self.cameras) * self.image_tokens}")
+                             f"expected {num_images * self.image_tokens}")
+        return np.asarray(ids, np.int32)
+
+    def tokenize(self, task: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.prompt_ids(task, len(self.cameras))
         tokens = np.full((self.max_token_len,), self._tokenizer.pad_id, np.int32)
         tokens[: len(ids)] = ids
         mask = np.arange(self.max_token_len) < len(ids)
@@ -97,29 +108,36 @@ class Gr00tInputBuilder:
         for key in ("task", "state", "images"):
             if key not in sample:
                 raise KeyError(f"GR00T input builder: sample has no {key!r} (keys: {sorted(sample)})")
-        missing = [c for c in self.cameras if c not in sample["images"]]
-        if missing:
-            raise KeyError(f"GR00T input builder: sample images lack cameras {missing} "
-                           f"(have {sorted(sample['images'])})")
+        unknown = set(sample["images"]) - set(self.cameras)
+        if unknown:
+            raise KeyError(f"GR00T input builder: cameras {sorted(unknown)} not in cameras {self.cameras}")
+        cameras = [c for c in self.cameras if c in sample["images"]]
+        if not self.packed and len(cameras) < len(self.cameras):
+            raise KeyError(f"GR00T input builder: sample images lack cameras "
+                           f"{[c for c in self.cameras if c not in cameras]} (have {sorted(sample['images'])})")
         if self.image_size is not None:
-            for c in self.cameras:
+            for c in cameras:
                 shape = np.shape(sample["images"][c])
                 if tuple(shape) != (self.image_size, self.image_size, 3):
                     raise ValueError(f"GR00T input builder: image {c!r} has shape {shape}, the model expects "
                                      f"({self.image_size}, {self.image_size}, 3) (set the data pipeline's image_size)")
-        tokens, token_mask = self.tokenize(sample["task"])
         state = np.asarray(sample["state"], np.float32).reshape(-1)
         if state.shape[0] > self.max_state_dim:
             raise ValueError(f"GR00T input builder: state has {state.shape[0]} dims > "
                              f"max_state_dim={self.max_state_dim}")
         out = {
-            "images": {c: _unit_range(sample["images"][c]) for c in self.cameras},
-            "image_masks": {c: np.bool_(True) for c in self.cameras},
-            "tokens": tokens,
-            "token_mask": token_mask,
             "state": np.pad(state, (0, self.max_state_dim - state.shape[0])),
             "embodiment_id": np.int32(sample.get("embodiment_id", self.embodiment_id)),
         }
+        if self.packed:
+            out["tokens"] = self.prompt_ids(sample["task"], len(cameras))
+            size = self.image_size or 1
+            images = [_unit_range(sample["images"][c]) for c in cameras]
+            out["images"] = np.stack(images) if images else np.zeros((0, size, size, 3), np.float32)
+        else:
+            out["tokens"], out["token_mask"] = self.tokenize(sample["task"])
+            out["images"] = {c: _unit_range(sample["images"][c]) for c in self.cameras}
+            out["image_masks"] = {c: np.bool_(True) for c in self.cameras}
         if "actions" in sample:
             actions = np.asarray(sample["actions"], np.float32)
             if actions.ndim != 2 or actions.shape[1] > self.action_dim:
@@ -138,42 +156,10 @@ def _unit_range(image) -> np.ndarray:
     return image.astype(np.float32)
 
 
-def pack_batch(batch: dict[str, Any], row_len: int, num_rows: int | None = None) -> dict[str, Any]:
-    """Unpacked batch (``tokens``/``token_mask`` [B, L], real tokens first) -> packed VL layout.
-
-    Samples fill rows of ``row_len`` tokens in order (a new row starts when the next prompt
-    does not fit). ``num_rows`` fixes the row count (static shapes; raises if too small).
-    """
-    tokens = np.asarray(batch["tokens"])
-    lengths = np.asarray(batch["token_mask"]).sum(axis=1)
-    rows: list[list[int]] = [[]]
-    used = 0
-    for b, n in enumerate(lengths):
-        if n > row_len:
-            raise ValueError(f"pack_batch: sample {b} has {n} tokens, more than row_len={row_len}")
-        if used + n > row_len:
-            rows.append([])
-            used = 0
-        rows[-1].append(b)
-        used += n
-    num_rows = len(rows) if num_rows is None else num_rows
-    if len(rows) > num_rows:
-        raise ValueError(f"pack_batch: the batch needs {len(rows)} rows of {row_len} tokens, num_rows={num_rows}")
-    packed_tokens = np.zeros((num_rows, row_len), np.int32)
-    segment_ids = np.zeros((num_rows, row_len), np.int32)
-    positions = np.zeros((num_rows, row_len), np.int32)
-    sample_row = np.zeros((len(lengths),), np.int32)
-    sample_segment = np.zeros((len(lengths),), np.int32)
-    for r, members in enumerate(rows):
-        cursor = 0
-        for seg, b in enumerate(members, start=1):
-            n = int(lengths[b])
-            packed_tokens[r, cursor: cursor + n] = tokens[b, :n]
-            segment_ids[r, cursor: cursor + n] = seg
-            positions[r, cursor: cursor + n] = np.arange(n)
-            sample_row[b], sample_segment[b] = r, seg
-            cursor += n
-    out = {k: v for k, v in batch.items() if k not in ("tokens", "token_mask")}
-    out.update(tokens=packed_tokens, segment_ids=segment_ids, positions=positions, sample_row=sample_row,
-               sample_segment=sample_segment)
+def packed_sample(sample: dict[str, Any], cameras) -> dict[str, Any]:
+    """An unpadded builder sample (every camera present) -> the packer's form: its real prompt
+    tokens and ``images`` [n, H, W, 3]; other values unchanged (synthetic data, tests)."""
+    out = {k: v for k, v in sample.items() if k not in ("images", "image_masks", "tokens", "token_mask")}
+    out["tokens"] = np.asarray(sample["tokens"])[np.asarray(sample["token_mask"], bool)].astype(np.int32)
+    out["images"] = np.stack([np.asarray(sample["images"][c], np.float32) for c in cameras])
     return out

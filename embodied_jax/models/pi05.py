@@ -19,13 +19,14 @@ Beyond upstream:
   once and K (noise, time) draws per observation attend its cached keys/values (gradients reach
   the prefix from all K). ``joint_forward=True`` runs upstream's single joint pass (K must be 1);
   at K=1 both give the same loss.
-- Packing (``samples_per_row`` M > 1): a row carries up to M samples. The batch then has
-  ``token_segment_ids`` [R, L] and ``image_segment_ids`` {slot: [R]} (sample 1..M, 0 = empty),
-  ``actions`` [R, M, horizon, A] and optionally ``action_dim_mask`` [R, M, A]; suffix tokens of
-  sample m get segment m+1. Attention follows the segment rule, so samples never see each other
-  and padding/empty camera slots cost no attention work on the fused backends. Unpacked batches
-  (the Observation contract) are the M = 1 case: ``token_mask``, ``image_masks``, ``actions``
-  [B, horizon, A].
+- Packed rows (``data/packing.py``, the builder's ``packed=True`` form): ``tokens``,
+  ``segment_ids``, ``positions`` [R, L] with image placeholders (``image_token_id``) where each
+  sample's images go, ``images`` [R, I, H, W, 3] / ``image_segment_ids`` [R, I] (only the
+  cameras samples have), per-sample ``actions`` [R, M, horizon, A], ``action_dim_mask``
+  [R, M, A] and ``sample_mask`` [R, M]. Suffix tokens of sample m get segment m; attention
+  is block-sparse over each sample's own tokens (``nn.block_sparse``), so samples never see
+  each other and padding costs no attention work. Unpacked batches (the Observation
+  contract) are the M = 1 case: ``token_mask``, ``image_masks``, ``actions`` [B, horizon, A].
 
 Explicit ``noise``/``time`` may be given in the shapes [R, (K,) (M,) horizon, A] / [R, (K,) (M,)]
 (K and M axes present only when > 1).
@@ -42,7 +43,9 @@ from flax import nnx
 
 from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
+from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.dense import Dense
+from embodied_jax.nn.embeddings import fill_image_tokens
 from embodied_jax.nn.lora import LORA_FREEZE_REGEX, LoRAConfig
 from embodied_jax.parallel.partition import shard_tokens
 
@@ -68,7 +71,6 @@ class Pi05Config:
     max_state_dim: int = 32
     num_inference_steps: int = 10
     flow_samples_per_obs: int = 1
-    samples_per_row: int = 1
     joint_forward: bool = False
     time_beta: tuple[float, float] = (1.5, 1.0)
     time_scale: float = 0.999
@@ -93,8 +95,8 @@ class Pi05Config:
             raise ValueError("Pi05Config.expert.cond_dim must equal expert.width (the time MLP width)")
         if self.joint_forward and self.flow_samples_per_obs != 1:
             raise ValueError("Pi05Config: joint_forward=True needs flow_samples_per_obs=1")
-        if self.flow_samples_per_obs < 1 or self.samples_per_row < 1:
-            raise ValueError("Pi05Config: flow_samples_per_obs and samples_per_row must be >= 1")
+        if self.flow_samples_per_obs < 1:
+            raise ValueError("Pi05Config: flow_samples_per_obs must be >= 1")
         if not 0 < self.action_dim <= self.max_action_dim:
             raise ValueError(f"Pi05Config: action_dim {self.action_dim} must be in 1..max_action_dim")
 
@@ -105,8 +107,19 @@ class Pi05Config:
         """Trainer freeze regexes: with LoRA (``lora_rank`` > 0) only ``lora_a``/``lora_b`` train."""
         return (LORA_FREEZE_REGEX,) if self.lora_rank else ()
 
-    def input_builder(self):
-        """The per-sample input builder (prompt with discrete state, images, padded actions)."""
+    @property
+    def image_token_id(self) -> int:
+        """Image placeholder id in packed token streams: PaliGemma's ``<image>``, just past the vocabulary."""
+        return self.vocab_size
+
+    @property
+    def max_prefix_len(self) -> int:
+        """The longest prefix of one sample: every camera's image tokens and a full prompt."""
+        return len(self.camera_names) * self.vision.num_patches + self.max_token_len
+
+    def input_builder(self, packed: bool = False):
+        """The per-sample input builder (prompt with discrete state, images, padded actions);
+        ``packed``: variable-length samples for ``data/packing.py``."""
         from embodied_jax.models.pi05_inputs import Pi05InputBuilder
 
         if self.tokenizer_path is None:
@@ -116,7 +129,53 @@ class Pi05Config:
             tokenizer_path=self.tokenizer_path, camera_names=self.camera_names,
             image_size=tuple(size) if isinstance(size, (tuple, list)) else (size, size),
             max_token_len=self.max_token_len, max_state_dim=self.max_state_dim, max_action_dim=self.max_action_dim,
+            packed=packed, image_tokens=self.vision.num_patches, image_token_id=self.image_token_id,
         )
+
+    def training_flops(self, batch) -> dict[str, float]:
+        """Analytic training FLOPs of one step on ``batch`` (NumPy; unpacked or packed rows):
+        ``weights`` (every weight matmul of every token the batch carries, padding included)
+        and ``attention`` (q·k and p·v: dense over an unpacked row's prefix, per sample in
+        packed rows). Everything trains unless LoRA is on (then only activations flow back)."""
+        from embodied_jax.nn import flops
+
+        vlm, expert, patches = self.vlm, self.expert, self.vision.num_patches
+        k, hzn = self.flow_samples_per_obs, self.action_horizon
+        if "segment_ids" in batch:
+            seg = np.asarray(batch["segment_ids"])
+            rows, length = seg.shape
+            slots = int(np.asarray(batch["sample_mask"]).size)
+            images = rows * int(np.asarray(batch["images"]).shape[1])
+            lengths = [np.bincount(r[r > 0], minlength=1)[1:] for r in seg]
+            prefix_pairs = sum(flops.attention_pairs(l.tolist()) for l in lengths)
+            keys = sum(int(n) + hzn for l in lengths for n in l)  # per present sample: its prefix + suffix
+            prefix_tokens = rows * length
+        else:
+            rows, text = np.asarray(batch["tokens"]).shape
+            length = len(self.camera_names) * patches + text
+            slots, images, prefix_tokens = rows, rows * len(self.camera_names), rows * length
+            prefix_pairs = rows * flops.attention_pairs((), dense_length=length)
+            keys = rows * (length + hzn)
+        suffix_tokens = slots * k * hzn
+        suffix_pairs = k * hzn * keys
+        common = dict(heads=vlm.num_heads, kv_heads=vlm.num_kv_heads, head_dim=vlm.head_dim, gated=True)
+        weights, attention = flops.Tally(), flops.Tally()
+        trains = not self.lora_rank
+        weights.add(flops.siglip(self.vision, images) + 2 * images * patches * self.vision.width * vlm.width,
+                    trains=trains)
+        per_layer = flops.transformer_layer(prefix_tokens, 0, width=vlm.width, mlp_dim=vlm.mlp_dim, **common)
+        suffix_layer = flops.transformer_layer(suffix_tokens, 0, width=expert.width, mlp_dim=expert.mlp_dim, **common)
+        head = 2 * suffix_tokens * self.max_action_dim * expert.width * 2 + 2 * slots * k * 2 * expert.width ** 2
+        weights.add(vlm.depth * (per_layer + suffix_layer) + head, trains=trains)
+        attention.add(vlm.depth * 4 * (prefix_pairs + suffix_pairs) * vlm.num_heads * vlm.head_dim, trains=trains,
+                      after_trainable=True)
+        # The prefix's last-layer output projection and MLP feed nothing (only its keys and
+        # values are read); upstream computes them, XLA removes them from an unrolled stack.
+        dead = flops.Tally(upstream_trains=True)
+        dead.add(flops.transformer_layer(prefix_tokens, 0, width=vlm.width, mlp_dim=vlm.mlp_dim, **common)
+                 - 2 * prefix_tokens * vlm.width * (vlm.num_heads + 2 * vlm.num_kv_heads) * vlm.head_dim,
+                 trains=trains)
+        return {"weights": weights.total, "attention": attention.total, "unused": dead.total}
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
         from embodied_jax.models.pi05_inputs import synthetic_pi05_batch
@@ -158,26 +217,19 @@ def time_embedding(t, dim: int, *, min_period: float, max_period: float):
     return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
 
 
-def segment_positions(segment_ids, num_segments: int):
-    """Position of each token among the earlier tokens of its segment (any order), 0 for padding."""
-    positions = jnp.zeros_like(segment_ids)
-    for m in range(1, num_segments + 1):
-        member = segment_ids == m
-        positions = jnp.where(member, jnp.cumsum(member, axis=1, dtype=jnp.int32) - 1, positions)
-    return positions
-
-
 @dataclasses.dataclass
 class _Inputs:
     """A batch in the general (packed) form; M = 1 for unpacked batches."""
 
-    images: jax.Array  # [R, C, H, W, 3]
-    image_segments: jax.Array  # int32 [R, C]
-    tokens: jax.Array  # int32 [R, L]
-    token_segments: jax.Array  # int32 [R, L]
-    samples_per_row: int
+    prefix: Any  # callable(policy) -> (embeddings [R, S, D], segment ids [R, S], positions [R, S])
+    present: jax.Array  # bool [R, M]: real samples
+    bounds: SegmentBounds | None  # packed rows: block-sparse attention bounds of the prefix
     actions: jax.Array | None = None  # [R, M, horizon, A]
     dim_mask: jax.Array | None = None  # bool [R, M, A]
+
+    @property
+    def samples_per_row(self) -> int:
+        return self.present.shape[1]
 
 
 class Pi05Policy(nnx.Module):
@@ -207,27 +259,27 @@ class Pi05Policy(nnx.Module):
 
     def _inputs(self, batch) -> _Inputs:
         cfg = self.config
-        missing = [c for c in cfg.camera_names if c not in batch["images"]]
-        if missing:
-            raise KeyError(f"π0.5: batch['images'] lacks camera slots {missing} (config.camera_names "
-                           f"{cfg.camera_names})")
-        images = jnp.stack([jnp.asarray(batch["images"][c]) for c in cfg.camera_names], axis=1)
-        rows = images.shape[0]
-        packed = "token_segment_ids" in batch
-        if packed:
-            token_segments = jnp.asarray(batch["token_segment_ids"], jnp.int32)
-            image_segments = jnp.stack([jnp.asarray(batch["image_segment_ids"][c], jnp.int32)
-                                        for c in cfg.camera_names], axis=1)
-            m = cfg.samples_per_row
+        if "segment_ids" in batch:
+            missing = [k for k in ("images", "image_segment_ids", "positions", "sample_mask") if k not in batch]
+            if missing:
+                raise KeyError(f"π0.5: packed batch lacks {missing}")
+            present = jnp.asarray(batch["sample_mask"], bool)
+            m = present.shape[1]
+            bounds = SegmentBounds(max_segments=m, max_q_len=cfg.max_prefix_len, max_kv_len=cfg.max_prefix_len)
+            prefix = lambda policy: policy.embed_packed_prefix(batch)  # noqa: E731
         else:
-            token_segments = jnp.asarray(batch["token_mask"]).astype(jnp.int32)
-            masks = batch.get("image_masks") or {}
-            image_segments = jnp.stack([jnp.asarray(masks.get(c, np.ones((rows,), bool))).astype(jnp.int32)
-                                        for c in cfg.camera_names], axis=1)
-            m = 1
-        inputs = _Inputs(images, image_segments, jnp.asarray(batch["tokens"], jnp.int32), token_segments, m)
+            missing = [c for c in cfg.camera_names if c not in batch["images"]]
+            if missing:
+                raise KeyError(f"π0.5: batch['images'] lacks camera slots {missing} (config.camera_names "
+                               f"{cfg.camera_names})")
+            rows = jnp.asarray(batch["tokens"]).shape[0]
+            present = jnp.ones((rows, 1), bool)
+            m, bounds = 1, None
+            prefix = lambda policy: policy.embed_prefix(batch)  # noqa: E731
+        inputs = _Inputs(prefix, present, bounds)
         if "actions" in batch:
             actions = jnp.asarray(batch["actions"], jnp.float32)
+            rows = present.shape[0]
             inputs.actions = actions.reshape(rows, m, cfg.action_horizon, cfg.max_action_dim)
             if "action_dim_mask" in batch:
                 mask = jnp.asarray(batch["action_dim_mask"], bool).reshape(rows, m, cfg.max_action_dim)
@@ -236,25 +288,46 @@ class Pi05Policy(nnx.Module):
             inputs.dim_mask = mask
         return inputs
 
-    def embed_prefix(self, inputs: _Inputs):
-        """Prefix embeddings [R, S, D] and segment ids [R, S], each sample's tokens contiguous.
+    def embed_images(self, images):
+        """images [R, C, H, W, 3] -> projected image tokens [R, C·P, D]."""
+        r, c, h, w, ch = images.shape
+        feats = self.multi_modal_projector(self.vision_tower(images.reshape(r * c, h, w, ch)))
+        return feats.reshape(r, c * feats.shape[1], feats.shape[-1])
 
-        Tokens are gathered per row into segment order (sample 1's images then text, sample 2's,
-        ..., padding last); attention is permutation-equivariant given segment ids and positions,
-        so this changes no number but lets fused varlen kernels skip padding and empty slots.
+    def embed_prefix(self, batch):
+        """Unpacked prefix: embeddings [B, S, D], segment ids [B, S] (1 real, 0 padding), positions.
+
+        Tokens are gathered into [real images, real text, padding] order; attention is
+        permutation-equivariant given segment ids and positions, so this changes no number
+        but lets fused varlen kernels skip padding and absent cameras.
         """
-        r, c, h, w, ch = inputs.images.shape
-        feats = self.vision_tower(inputs.images.reshape(r * c, h, w, ch))
-        feats = self.multi_modal_projector(feats)
-        n = feats.shape[1]
-        feats = feats.reshape(r, c * n, feats.shape[-1])
-        text = self.llm.embed(inputs.tokens).astype(feats.dtype)
+        cfg = self.config
+        images = jnp.stack([jnp.asarray(batch["images"][c]) for c in cfg.camera_names], axis=1)
+        rows = images.shape[0]
+        masks = batch.get("image_masks") or {}
+        image_seg = jnp.stack([jnp.asarray(masks.get(c, np.ones((rows,), bool))).astype(jnp.int32)
+                               for c in cfg.camera_names], axis=1)
+        feats = self.embed_images(images)
+        n = feats.shape[1] // len(cfg.camera_names)
+        text = self.llm.embed(jnp.asarray(batch["tokens"], jnp.int32)).astype(feats.dtype)
         x = jnp.concatenate([feats, text], axis=1)
-        segments = jnp.concatenate([jnp.repeat(inputs.image_segments, n, axis=1), inputs.token_segments], axis=1)
-        sort_key = jnp.where(segments == 0, inputs.samples_per_row + 1, segments)
-        order = jnp.argsort(sort_key, axis=1, stable=True)
+        segments = jnp.concatenate([jnp.repeat(image_seg, n, axis=1),
+                                    jnp.asarray(batch["token_mask"]).astype(jnp.int32)], axis=1)
+        order = jnp.argsort(segments == 0, axis=1, stable=True)
         x = shard_tokens(jnp.take_along_axis(x, order[..., None], axis=1))
-        return x, jnp.take_along_axis(segments, order, axis=1)
+        segments = jnp.take_along_axis(segments, order, axis=1)
+        positions = jnp.maximum(jnp.cumsum(segments, axis=1, dtype=jnp.int32) - 1, 0) * segments
+        return x, segments, positions
+
+    def embed_packed_prefix(self, batch):
+        """Packed prefix: the row's token embeddings with each image placeholder replaced, in
+        order, by the row's image tokens (``nn.embeddings.fill_image_tokens``)."""
+        tokens = jnp.asarray(batch["tokens"], jnp.int32)
+        is_image = tokens == self.config.image_token_id
+        feats = self.embed_images(jnp.asarray(batch["images"]))
+        text = self.llm.embed(jnp.where(is_image, 0, tokens)).astype(feats.dtype)
+        x = shard_tokens(fill_image_tokens(text, is_image, feats))
+        return x, jnp.asarray(batch["segment_ids"], jnp.int32), jnp.asarray(batch["positions"], jnp.int32)
 
     def embed_suffix(self, x_t, time):
         """x_t [B, M, horizon, A], time [B, M] -> suffix tokens [B, M*horizon, De], conditioning [B, M, De]."""
@@ -265,14 +338,17 @@ class Pi05Policy(nnx.Module):
         cond = shard_tokens(jax.nn.silu(self.time_mlp_out(jax.nn.silu(self.time_mlp_in(t_emb)))))
         return shard_tokens(suffix.reshape(b, m * hzn, width)), cond
 
-    def _suffix_layout(self, prefix_segments, prefix_lengths, m):
+    def _suffix_layout(self, prefix_lengths, bounds):
         """Suffix segment/block/positions for M samples of ``horizon`` tokens each."""
         hzn = self.config.action_horizon
+        m = prefix_lengths.shape[1]
         ids = jnp.arange(1, m + 1, dtype=jnp.int32)
         present = prefix_lengths > 0  # [B, M]
         seg = jnp.repeat(jnp.where(present, ids[None], 0), hzn, axis=1)
-        pos = (prefix_lengths[:, :, None] + jnp.arange(hzn, dtype=jnp.int32)).reshape(prefix_segments.shape[0], -1)
-        return TokenLayout(seg, jnp.ones_like(seg), pos)
+        pos = (prefix_lengths[:, :, None] + jnp.arange(hzn, dtype=jnp.int32)).reshape(prefix_lengths.shape[0], -1)
+        if bounds is not None:  # suffix queries see their prefix and their own suffix
+            bounds = dataclasses.replace(bounds, max_q_len=hzn, max_kv_len=bounds.max_kv_len + hzn)
+        return TokenLayout(seg, jnp.ones_like(seg), pos, bounds)
 
     # ------------------------------------------------------------------ forward passes
 
@@ -281,41 +357,43 @@ class Pi05Policy(nnx.Module):
         return self.action_out_proj(v_out.astype(jnp.float32).reshape(*shape[:3], -1))
 
     def prefix_cache(self, inputs: _Inputs):
-        """Run the prefix alone: per-layer (k, v) and its ids, plus per-sample prefix lengths [R, M]."""
-        x, seg = self.embed_prefix(inputs)
-        m = inputs.samples_per_row
-        layout = TokenLayout(seg, None, segment_positions(seg, m), max_segments=m)
+        """Run the prefix alone: per-layer (k, v), its ids and bounds, plus per-sample prefix lengths [R, M]."""
+        x, seg, positions = inputs.prefix(self)
+        layout = TokenLayout(seg, None, positions, inputs.bounds)
         _, kv = self.llm((x, None), layout, return_kv=True)
-        lengths = jnp.stack([(seg == i).sum(axis=1, dtype=jnp.int32) for i in range(1, m + 1)], axis=1)
-        return kv, (seg, jnp.zeros_like(seg)), lengths
+        return kv, (seg, jnp.zeros_like(seg)), self._lengths(seg, inputs.samples_per_row), inputs.bounds
+
+    @staticmethod
+    def _lengths(seg, m):
+        return jnp.stack([(seg == i).sum(axis=1, dtype=jnp.int32) for i in range(1, m + 1)], axis=1)
 
     def suffix_velocity(self, cache, x_t, time):
         """Velocity [B', M, horizon, A] of x_t [B', M, horizon, A] at time [B', M] against a prefix cache.
 
         B' may be a multiple k·B of the cached batch: row i uses cached row i // k.
         """
-        kv, ids, lengths = cache
+        kv, ids, lengths, bounds = cache
         repeat = x_t.shape[0] // lengths.shape[0]
         if repeat > 1:
             kv = jax.tree.map(lambda a: jnp.repeat(a, repeat, axis=1), kv)
             ids = jax.tree.map(lambda a: jnp.repeat(a, repeat, axis=0), ids)
             lengths = jnp.repeat(lengths, repeat, axis=0)
         suffix, cond = self.embed_suffix(x_t, time)
-        layout = self._suffix_layout(ids[0], lengths, x_t.shape[1])
+        layout = self._suffix_layout(lengths, bounds)
         (_, out), _ = self.llm((None, suffix), layout, (None, cond), cache=(kv, ids))
         return self._velocity(out, x_t.shape)
 
     def joint_velocity(self, inputs: _Inputs, x_t, time):
         """Upstream's single pass over [prefix, suffix] (x_t [R, M, horizon, A], time [R, M])."""
-        m = inputs.samples_per_row
-        prefix, seg = self.embed_prefix(inputs)
-        lengths = jnp.stack([(seg == i).sum(axis=1, dtype=jnp.int32) for i in range(1, m + 1)], axis=1)
+        prefix, seg, positions = inputs.prefix(self)
+        lengths = self._lengths(seg, inputs.samples_per_row)
         suffix, cond = self.embed_suffix(x_t, time)
-        sl = self._suffix_layout(seg, lengths, m)
+        sl = self._suffix_layout(lengths, inputs.bounds)
         layout = TokenLayout(
             jnp.concatenate([seg, sl.segment_ids], axis=1),
             jnp.concatenate([jnp.zeros_like(seg), sl.block_ids], axis=1),
-            jnp.concatenate([segment_positions(seg, m), sl.positions], axis=1),
+            jnp.concatenate([positions, sl.positions], axis=1),
+            None if sl.bounds is None else dataclasses.replace(sl.bounds, max_q_len=sl.bounds.max_kv_len),
         )
         (_, out), _ = self.llm((prefix, suffix), layout, (None, cond))
         return self._velocity(out, x_t.shape)
@@ -361,20 +439,27 @@ class Pi05Policy(nnx.Module):
             cache = self.prefix_cache(inputs)
             v = self.suffix_velocity(cache, x_t.reshape(r * k, m, hzn, adim), time.reshape(r * k, m))
             v = v.reshape(r, k, m, hzn, adim)
-        present = jnp.stack([(inputs.token_segments == i).any(axis=1) | (inputs.image_segments == i).any(axis=1)
-                             for i in range(1, m + 1)], axis=1)  # [R, M]
+        present = inputs.present
         mask = (inputs.dim_mask[:, None, :, None, :] & present[:, None, :, None, None]).astype(jnp.float32)
         mask = jnp.broadcast_to(mask, v.shape)
         sq = jnp.square(v - target) * mask
         loss = sq.sum() / jnp.maximum(mask.sum(), 1.0)
         per_sample = (sq.sum(axis=(3, 4)) / jnp.maximum(mask.sum(axis=(3, 4)), 1.0)).mean(axis=1)
-        real_tokens = (inputs.token_segments > 0).sum() + (inputs.image_segments > 0).sum() * cfg.vision.num_patches
         metrics = {
             "loss": loss,
-            "tokens": real_tokens + present.sum() * k * hzn,
+            "tokens": self._real_tokens(batch) + present.sum() * k * hzn,
+            "examples": present.sum(),
             "time_mean": time.mean(),
         }
         return loss, per_sample, present, metrics
+
+    def _real_tokens(self, batch):
+        if "segment_ids" in batch:
+            return (jnp.asarray(batch["segment_ids"]) > 0).sum()
+        masks = batch.get("image_masks") or {}
+        images = sum(jnp.asarray(masks[c]).sum() if c in masks else jnp.asarray(batch["tokens"]).shape[0]
+                     for c in self.config.camera_names)
+        return jnp.asarray(batch["token_mask"]).sum() + images * self.config.vision.num_patches
 
     def loss(self, batch, rng, *, noise=None, time=None):
         loss, _, _, metrics = self.loss_terms(batch, rng, noise=noise, time=time)
@@ -385,7 +470,7 @@ class Pi05Policy(nnx.Module):
         cfg = self.config
         num_steps = int(num_steps or cfg.num_inference_steps)
         inputs = self._inputs({k: v for k, v in observation.items() if k != "actions"})
-        b = inputs.tokens.shape[0]
+        b = inputs.present.shape[0]
         shape = (b, 1, cfg.action_horizon, cfg.max_action_dim)
         x = jax.random.normal(rng, shape, jnp.float32) if noise is None else jnp.asarray(noise, jnp.float32)
         x = x.reshape(shape)

@@ -12,6 +12,12 @@ Follows openpi/LeRobot's π0.5 preprocessing:
   slot missing from the sample is filled with -1 and masked out;
 - actions are zero-padded to ``max_action_dim``; ``action_dim_mask`` marks the real dimensions.
 
+With ``packed=True`` the builder emits a sample for ``data/packing.py`` instead: ``tokens``
+unpadded = ``image_tokens`` placeholders (``image_token_id``, PaliGemma's ``<image>``) per
+camera the sample has, then the prompt; ``images`` [n, H, W, 3] for those cameras only (an
+absent camera is never encoded). The model fills the placeholders with the images' tokens,
+so a packed sample's prefix is the unpadded sample's real tokens in the same order.
+
 The builder is a plain callable on one unbatched sample so the data pipeline can map it.
 """
 from __future__ import annotations
@@ -98,6 +104,9 @@ class Pi05InputBuilder:
     max_state_dim: int = 32
     max_action_dim: int = 32
     state_bins: int = 256
+    packed: bool = False  # emit variable-length samples for the packer (module docstring)
+    image_tokens: int = 256  # vision tokens per image (placeholders per camera when packed)
+    image_token_id: int = 257_152  # the placeholder id (outside the text vocabulary)
 
     def __post_init__(self):
         object.__setattr__(self, "_tokenizer", load_tokenizer(self.tokenizer_path))
@@ -105,6 +114,10 @@ class Pi05InputBuilder:
     @property
     def tokenizer(self):
         return self._tokenizer
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.image_tokens
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         for key in ("task", "state"):
@@ -140,89 +153,22 @@ class Pi05InputBuilder:
                 )
             out["actions"] = np.pad(actions, ((0, 0), (0, self.max_action_dim - actions.shape[1])))
             out["action_dim_mask"] = np.arange(self.max_action_dim) < actions.shape[1]
+        if self.packed:
+            return packed_sample(out, self.camera_names, self.image_tokens, self.image_token_id)
         return out
 
 
-# ----------------------------------------------------------------------------- packing
-
-
-def pack_rows(samples: list[dict[str, Any]], *, camera_slots: tuple[str, ...], max_token_len: int,
-              samples_per_row: int) -> list[dict[str, Any]]:
-    """Greedily pack unpacked samples (builder outputs) into rows of the packed π0.5 layout.
-
-    A row holds at most ``samples_per_row`` samples, ``len(camera_slots)`` valid images and
-    ``max_token_len`` real prompt tokens; samples keep their order. Each sample's valid images
-    take consecutive free slots in camera order and its prompt tokens a contiguous run, so
-    per-sample positions match the unpacked sample's. Returns one dict per row with
-    ``images``/``image_segment_ids`` per slot, ``tokens``/``token_segment_ids`` [L],
-    ``actions`` [M, horizon, A] and, when the samples carry one, ``action_dim_mask`` [M, A].
-    """
-    rows: list[dict[str, Any]] = []
-    current: list[dict[str, Any]] = []
-
-    def cost(sample):
-        cams = [c for c, ok in sample["image_masks"].items() if ok]
-        return len(cams), int(np.asarray(sample["token_mask"]).sum())
-
-    def fits(group, sample):
-        if len(group) >= samples_per_row:
-            return False
-        imgs = sum(cost(s)[0] for s in group) + cost(sample)[0]
-        toks = sum(cost(s)[1] for s in group) + cost(sample)[1]
-        return imgs <= len(camera_slots) and toks <= max_token_len
-
-    for sample in samples:
-        n_img, n_tok = cost(sample)
-        if n_img > len(camera_slots) or n_tok > max_token_len:
-            raise ValueError(f"pack_rows: a sample with {n_img} images and {n_tok} tokens exceeds one row")
-        if current and not fits(current, sample):
-            rows.append(_pack_group(current, camera_slots, max_token_len, samples_per_row))
-            current = []
-        current.append(sample)
-    if current:
-        rows.append(_pack_group(current, camera_slots, max_token_len, samples_per_row))
-    return rows
-
-
-def _pack_group(group, camera_slots, max_token_len, samples_per_row):
-    first = group[0]
-    image_shape = next(iter(first["images"].values())).shape
-    images = {s: np.full(image_shape, -1.0, np.float32) for s in camera_slots}
-    image_segs = {s: np.int32(0) for s in camera_slots}
-    tokens = np.zeros((max_token_len,), np.int32)
-    token_segs = np.zeros((max_token_len,), np.int32)
-    actions = np.zeros((samples_per_row, *np.shape(first["actions"])), np.float32)
-    dim_mask = np.zeros((samples_per_row, np.shape(first["actions"])[-1]), bool)
-    slot, cursor = 0, 0
-    for i, sample in enumerate(group, start=1):
-        for cam, ok in sample["image_masks"].items():
-            if ok:
-                images[camera_slots[slot]] = sample["images"][cam]
-                image_segs[camera_slots[slot]] = np.int32(i)
-                slot += 1
-        mask = np.asarray(sample["token_mask"], bool)
-        n = int(mask.sum())
-        tokens[cursor:cursor + n] = np.asarray(sample["tokens"])[mask]
-        token_segs[cursor:cursor + n] = i
-        cursor += n
-        actions[i - 1] = sample["actions"]
-        if "action_dim_mask" in sample:
-            dim_mask[i - 1] = sample["action_dim_mask"]
-    row = {"images": images, "image_segment_ids": image_segs, "tokens": tokens, "token_segment_ids": token_segs,
-           "actions": actions}
-    if all("action_dim_mask" in s for s in group):  # else the model's config.action_dim applies
-        row["action_dim_mask"] = dim_mask
-    return row
-
-
-def stack_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack per-row dicts (nested one level for per-camera dicts) into a batch."""
-    out = {}
-    for key, value in rows[0].items():
-        if isinstance(value, dict):
-            out[key] = {k: np.stack([r[key][k] for r in rows]) for k in value}
-        else:
-            out[key] = np.stack([r[key] for r in rows])
+def packed_sample(sample: dict[str, Any], camera_names, image_tokens: int, image_token_id: int) -> dict[str, Any]:
+    """An unpadded builder sample -> the packer's form: placeholders for its present cameras, then
+    its real prompt tokens; ``images`` [n, H, W, 3] of those cameras; other values unchanged."""
+    present = [c for c in camera_names if bool(sample["image_masks"][c])]
+    out = {k: v for k, v in sample.items() if k not in ("images", "image_masks", "tokens", "token_mask")}
+    prompt = np.asarray(sample["tokens"])[np.asarray(sample["token_mask"], bool)]
+    placeholders = np.full(len(present) * image_tokens, image_token_id, np.int32)
+    out["tokens"] = np.concatenate([placeholders, prompt]).astype(np.int32)
+    shape = np.shape(sample["images"][camera_names[0]])
+    out["images"] = (np.stack([np.asarray(sample["images"][c], np.float32) for c in present]) if present
+                     else np.zeros((0, *shape), np.float32))
     return out
 
 
@@ -251,19 +197,17 @@ def synthetic_samples(config, count: int, seed: int = 0, prompt_lengths=None) ->
     return samples
 
 
+def stack_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack per-sample dicts (nested one level for per-camera dicts) into a batch."""
+    out = {}
+    for key, value in rows[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: np.stack([r[key][k] for r in rows]) for k in value}
+        else:
+            out[key] = np.stack([r[key] for r in rows])
+    return out
+
+
 def synthetic_pi05_batch(config, batch_size: int, seed: int = 0) -> dict[str, Any]:
-    """A training batch of ``config``'s exact shapes: unpacked, or ``batch_size`` packed rows of M samples."""
-    m = config.samples_per_row
-    if m == 1:
-        return stack_rows(synthetic_samples(config, batch_size, seed))
-    per_sample_len = max(1, config.max_token_len // m)
-    samples = synthetic_samples(config, batch_size * m, seed, prompt_lengths=[per_sample_len] * (batch_size * m))
-    slots = config.camera_names
-    rows = []
-    for r in range(batch_size):
-        group = samples[r * m:(r + 1) * m]
-        per = max(1, len(slots) // m)
-        for s in group:  # each sample keeps at most its share of the slots
-            s["image_masks"] = {c: np.bool_(j < per) for j, c in enumerate(slots)}
-        rows.append(_pack_group(group, slots, config.max_token_len, m))
-    return stack_rows(rows)
+    """An unpacked training batch of ``config``'s exact shapes."""
+    return stack_rows(synthetic_samples(config, batch_size, seed))

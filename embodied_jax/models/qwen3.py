@@ -54,7 +54,7 @@ class Qwen3Attention(nnx.Module):
         self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool):
+    def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool, bounds=None):
         b, t, _ = x.shape
         cfg = self.cfg
         q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim))
@@ -66,7 +66,7 @@ class Qwen3Attention(nnx.Module):
             q, k, v,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             q_block_ids=positions, kv_block_ids=positions,
-            causal_blocks=causal_blocks, impl=self.impl,
+            causal_blocks=causal_blocks, impl=self.impl, bounds=bounds,
         )
         return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim))
 
@@ -80,8 +80,8 @@ class Qwen3DecoderLayer(nnx.Module):
         self.mlp = GatedMLP(cfg.width, cfg.mlp_dim, activation="silu", fp8=fp8, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool = True):
-        h = self.self_attn(self.input_layernorm(x), positions, q_segment_ids, kv_segment_ids, causal_blocks)
+    def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool = True, bounds=None):
+        h = self.self_attn(self.input_layernorm(x), positions, q_segment_ids, kv_segment_ids, causal_blocks, bounds)
         x = shard_tokens(x + h.astype(x.dtype))
         return shard_tokens(x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype))
 
@@ -116,17 +116,19 @@ class Qwen3Model(nnx.Module):
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.embed_tokens(tokens)
 
-    def __call__(self, embeddings, positions, q_segment_ids, kv_segment_ids=None, *, causal_blocks: bool = True):
+    def __call__(self, embeddings, positions, q_segment_ids, kv_segment_ids=None, *, causal_blocks: bool = True,
+                 bounds=None):
         """Final-normed hidden states [B, T, D] of the last layer.
 
         ``kv_segment_ids`` defaults to ``q_segment_ids``; passing all-ones query ids with the
         padding mask as key ids reproduces HF's behaviour for padded query rows (they still
         attend the real tokens before them). ``causal_blocks`` promises ``positions`` are
         the within-segment positions of contiguous segments (lets fused kernels run causal).
+        ``bounds`` (``nn.block_sparse.SegmentBounds``) mark packed rows (block-sparse attention).
         """
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         x = run_stack(
             self.layers, embeddings, positions, q_segment_ids, kv_segment_ids,
-            scan=self.scan_layers, remat_policy=self.remat_policy, causal_blocks=causal_blocks,
+            scan=self.scan_layers, remat_policy=self.remat_policy, causal_blocks=causal_blocks, bounds=bounds,
         )
         return self.norm(x)

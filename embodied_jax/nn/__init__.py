@@ -1,3 +1,4 @@
-"""Shared layers (Flax NNX): segment-id attention, norms, RoPE, MLPs, embeddings,
-Dense/Einsum with FP8, layer stacks (scan/remat) and LoRA. Every parameter carries
+"""Shared layers (Flax NNX): segment-id attention (dense reference, block-sparse for packed
+rows, a Pallas GPU kernel), norms, RoPE, MLPs, embeddings, Dense/Einsum with FP8, layer
+stacks (scan/remat), LoRA and analytic FLOP counts. Every parameter carries
 logical axis names from ``embodied_jax.parallel.rules``."""

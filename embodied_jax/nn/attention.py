@@ -12,17 +12,26 @@ Backends (``impl``):
 - ``"xla"``: the reference. Dense [B, 1, T, S] mask, logits and softmax in float32,
   masking with ``jnp.where``; grouped-query heads are computed by reshaping queries to
   [B, T, K, G, H] so K/V are never repeated. Runs everywhere.
+- ``"blocksparse"``: portable (XLA) attention over packed rows that computes only query
+  block x key block pairs of the same segment (``nn/block_sparse.py``); needs the static
+  ``bounds`` (``SegmentBounds``: segments per row, longest segment) the packing config
+  guarantees. Equal to the reference to float32 rounding, forward and backward.
+- ``"pallas"`` (GPU): a fused flash attention written in Pallas (Triton) that applies the
+  whole rule, segment and block ids, inside the kernel and skips key blocks no query of
+  the block can see (``nn/pallas_attention.py``, which says why it is the GPU kernel of
+  choice); the default on a GPU for packed rows (``bounds`` given).
 - ``"cudnn"`` (GPU, float16/bfloat16, head_dim % 8 == 0 and <= 256): with block ids
   ``None`` (or ``causal_blocks=True``), JAX's private cuDNN varlen path over packed
   segments (``q_seqlen``/``q_offsets``), so padding and other segments cost no work;
-  segments must be contiguous runs (what the packer emits), at most ``max_segments``
+  segments must be contiguous runs (what the packer emits), at most ``bounds.max_segments``
   per row. With general block ids it calls ``jax.nn.dot_product_attention(
   implementation="cudnn")`` with the dense mask (fused kernel, mask as a bias).
 - ``"te"`` (GPU with Transformer Engine): ``DotProductAttention`` in THD layout with a
   ``SequenceDescriptor`` from segment ids and within-segment positions. It expresses
   block ids ``None`` (padding mask) or ``causal_blocks=True`` (padding-causal) only.
-- ``"auto"``: cudnn when legal on a GPU, else xla; it logs once per distinct reason why it
-  fell back. An explicit impl that is unavailable or illegal raises ``ValueError``.
+- ``"auto"``: on a GPU, pallas for packed rows (``bounds`` given), else cudnn when legal;
+  otherwise blocksparse for packed rows, else xla. It logs once per distinct reason why it
+  fell back from a GPU kernel. An explicit impl that is unavailable or illegal raises ``ValueError``.
 
 ``causal_blocks=True`` is a static promise by the caller that the block ids equal the
 within-segment positions (causal attention); it lets the fused backends use their causal
@@ -49,16 +58,18 @@ import jax.numpy as jnp
 from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 
+from embodied_jax.nn import pallas_attention
+from embodied_jax.nn.block_sparse import SegmentBounds, block_sparse_attention
 from embodied_jax.parallel import partition
 
 log = logging.getLogger(__name__)
 
-AttentionImpl = Literal["auto", "xla", "cudnn", "te"]
+AttentionImpl = Literal["auto", "xla", "blocksparse", "pallas", "cudnn", "te"]
 # Logical axes of queries/outputs and keys/values: batch-split like the residual stream.
 Q_AXES = ("batch", "act_length", "act_heads", "act_head_dim")
 KV_AXES = ("batch", "act_length", "act_kv_heads", "act_head_dim")
 ATTENTION_NAMES = ("attention_q", "attention_k", "attention_v", "attention_out")  # checkpoint names
-IMPLS = ("auto", "xla", "cudnn", "te")
+IMPLS = ("auto", "xla", "blocksparse", "pallas", "cudnn", "te")
 
 _LOGGED_FALLBACKS: set[str] = set()
 
@@ -169,10 +180,10 @@ def _te_illegal_reason(q, general_blocks: bool) -> str | None:
     return None
 
 
-def _log_fallback_once(reason: str) -> None:
+def _log_fallback_once(reason: str, impl: str) -> None:
     if reason not in _LOGGED_FALLBACKS:
         _LOGGED_FALLBACKS.add(reason)
-        log.info("attention impl='auto' uses xla: %s", reason)
+        log.info("attention impl='auto' uses %s: %s", impl, reason)
 
 
 def _segment_offsets(segment_ids, max_segments: int):
@@ -253,7 +264,7 @@ def attention(
     scale: float | None = None,
     cache: KVCache | None = None,
     causal_blocks: bool = False,
-    max_segments: int | None = None,
+    bounds: SegmentBounds | None = None,
 ):
     """Segment-id attention. q [B, T, N, H]; k, v [B, S, K, H]; returns [B, T, N, H] in q.dtype.
 
@@ -275,10 +286,21 @@ def attention(
     general_blocks = (q_block_ids is not None or kv_block_ids is not None) and not causal_blocks
 
     if impl == "auto":
-        reason = _cudnn_illegal_reason(q, k, v)
-        impl = "xla" if reason else "cudnn"
+        pallas_reason = pallas_attention.unavailable_reason(q) if bounds is not None else "unpacked"
+        if pallas_reason is None:
+            impl = "pallas"
+        else:
+            reason = _cudnn_illegal_reason(q, k, v)
+            impl = ("blocksparse" if bounds is not None else "xla") if reason else "cudnn"
+            if reason:
+                _log_fallback_once(reason, impl)
+    elif impl == "pallas":
+        reason = pallas_attention.unavailable_reason(q)
         if reason:
-            _log_fallback_once(reason)
+            raise ValueError(f"attention impl='pallas' unavailable: {reason}; use impl='auto' or 'blocksparse'")
+    elif impl == "blocksparse" and bounds is None:
+        raise ValueError("attention impl='blocksparse' needs bounds=SegmentBounds(...) (segments per row, "
+                         "longest segment); use impl='auto' or 'xla' for unpacked inputs")
     elif impl == "cudnn":
         reason = _cudnn_illegal_reason(q, k, v)
         if reason:
@@ -291,7 +313,14 @@ def attention(
     if impl == "xla":
         mask = attention_mask(q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids)
         out = xla_attention(q, k, v, mask, scale)
+    elif impl == "blocksparse":
+        out = block_sparse_attention(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids,
+                                     scale=scale, bounds=bounds)
+    elif impl == "pallas":
+        out = pallas_attention.flash_segment_attention(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids,
+                                                       kv_block_ids, scale=scale)
     elif impl == "cudnn":
+        max_segments = bounds.max_segments if bounds is not None else None
         out = _cudnn_attention(
             q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, scale, causal_blocks, max_segments
         )

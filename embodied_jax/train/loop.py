@@ -211,7 +211,7 @@ def train(config: ExperimentConfig) -> RunResult:
     def handle(step: int, metrics: dict) -> None:
         values = jax.device_get(metrics)
         tokens = float(values.get("tokens", 0.0))
-        throughput.add(t.batch_size, tokens)
+        throughput.add(int(values.get("examples", t.batch_size)), tokens)  # packed rows hold several
         if int(values["consecutive_skips"]) >= t.max_consecutive_skips:
             save(int(jax.device_get(state.step)), force=True)
             if ckpt is not None:

@@ -16,12 +16,24 @@ import time
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
-from experiments.benchmarks.pi05_packing import make_step
 from experiments.pi05 import bench_model, tiny_model
+
+
+def make_step(model, lr=1e-4):
+    optimizer = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, batch, rng):
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(batch, rng)[0])(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return optimizer, step
 
 
 def held_out_loss(model, config, batch, noise, time_) -> float:

@@ -3,8 +3,20 @@
 Builds the named experiment exactly as the launcher would, feeds synthetic batches of
 its exact shapes, runs ``--warmup`` then ``--steps`` timed steps and prints one JSON
 line: median step seconds, examples/s, tokens/s, compile seconds, peak host and
-device memory, and on GPU the model FLOPs utilisation (from the model config's
-``flops_per_example`` when it has one, else XLA's cost analysis of the step).
+device memory, and the arithmetic:
+
+- ``analytic_flops``: the model's weight-matmul training FLOPs of the step
+  (``config.training_flops``; the convention of LeRobot's counted 2.54e11 for
+  ``pi05_bench``), ``analytic_attention_flops`` beside it;
+- ``xla_flops``: matmul FLOPs of the compiled step counted from its HLO with every loop
+  body times its trip count (XLA's own cost analysis counts a loop body once; its figure
+  is ``xla_cost_analysis_flops``), and its ratio to the analytic count with attention
+  (``xla_vs_analytic_needed``: without ``analytic_unused_flops``, work whose result nothing
+  reads, which XLA removes when it sees it);
+- ``matmul_flops_per_s``: median of 7 jitted 3464x512 @ 512x2048 float32 matmuls in this
+  process (measured before and after the steps; the higher median counts), and
+  ``limit_fraction`` = analytic_flops / median step / that rate;
+- on GPU, the model FLOPs utilisation against the device's peak.
 """
 from __future__ import annotations
 
@@ -26,11 +38,52 @@ def peak_device_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def matmul_flops_per_s(repeats: int = 7) -> float:
+    """This machine's float32 matmul rate: median of ``repeats`` jitted 3464x512 @ 512x2048 matmuls."""
+    import jax.numpy as jnp
+
+    m, k, n = 3464, 512, 2048
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k)), jnp.float32)
+    b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n)), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    jax.block_until_ready(matmul(a, b))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(matmul(a, b))
+        times.append(time.perf_counter() - t)
+    return 2.0 * m * k * n / statistics.median(times)
+
+
+def step_arithmetic(model_config, batch, compiled, median_s: float, rate: float) -> dict:
+    """Analytic and XLA-counted FLOPs of a compiled step and the fraction of the matmul limit reached."""
+    from embodied_jax.parallel.hlo import dot_flops
+
+    analytic = model_config.training_flops(batch)
+    xla = dot_flops(compiled.as_text()) * jax.device_count()
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    total = analytic["weights"] + analytic["attention"]
+    return {
+        "analytic_flops": analytic["weights"],
+        "analytic_attention_flops": analytic["attention"],
+        "xla_flops": xla,
+        "xla_cost_analysis_flops": float(analysis.get("flops", 0.0)) * jax.device_count(),
+        "xla_vs_analytic_with_attention": xla / total if total else None,
+        # work whose result nothing reads (π0.5: the prefix's last-layer o_proj and MLP)
+        "analytic_unused_flops": analytic.get("unused", 0.0),
+        "xla_vs_analytic_needed": xla / (total - analytic.get("unused", 0.0)) if total else None,
+        "matmul_flops_per_s": rate,
+        "limit_fraction": analytic["weights"] / median_s / rate,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", default=None, help="trace one step here and print the top ops")
     bench, rest = parser.parse_known_args(argv)
 
     from embodied_jax.parallel import distributed
@@ -45,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = config.train
     batches = [config.model.synthetic_batch(cfg.batch_size, seed=i) for i in range(2)]
     tokens = float(np.sum(batches[0]["token_mask"])) if "token_mask" in batches[0] else 0.0
+    rate_before = matmul_flops_per_s()
     with rt.context():
         state = initial_state(rt)
         device_batches = [global_batch(b, rt.mesh, rt.rules) for b in batches]
@@ -61,6 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
             state, metrics = compiled(state, device_batches[i % 2])
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
+        if bench.profile:
+            from experiments.benchmarks.profile import report
+
+            holder = {"state": state}
+
+            def run():
+                holder["state"], out = compiled(holder["state"], device_batches[0])
+                return out
+
+            report(config.name, run, compiled, bench.profile)
     median = statistics.median(times)
     result = {
         "experiment": config.name,
@@ -75,16 +139,16 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_host_bytes": peak_host_bytes(),
         "peak_device_bytes": peak_device_bytes() if jax.default_backend() != "cpu" else None,
     }
-    if jax.default_backend() == "gpu":
-        flops_fn = getattr(config.model, "flops_per_example", None)
-        if flops_fn is not None:
-            flops = 3.0 * flops_fn() * cfg.batch_size  # forward + backward
-        else:
-            analysis = compiled.cost_analysis()
-            analysis = analysis[0] if isinstance(analysis, list) else analysis
-            flops = float(analysis.get("flops", 0.0)) * jax.device_count()
+    if hasattr(config.model, "training_flops"):
+        # the rate is measured before and after the steps; the higher one (the machine's best
+        # demonstrated rate) makes the limit, so a noisy measurement never inflates the fraction
+        rates = (rate_before, matmul_flops_per_s())
+        result.update(step_arithmetic(config.model, batches[0], compiled, median, max(rates)))
+        result["matmul_flops_per_s_before_after"] = list(rates)
+    if jax.default_backend() == "gpu" and "analytic_flops" in result:
         kind = jax.devices()[0].device_kind
         peak = next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+        flops = result["analytic_flops"] + result["analytic_attention_flops"]
         result["mfu"] = flops / median / (peak * jax.device_count()) if peak else None
     print(json.dumps(result))
     return result

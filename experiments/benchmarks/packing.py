@@ -1,0 +1,279 @@
+"""``python -m experiments.benchmarks.packing MODEL [--batch 8] [--steps 3] [--seq-len N] [overrides]``
+
+Padded batches vs packed rows on a realistic multi-embodiment mixture, same samples per step,
+timed in one process. MODEL is ``pi05_bench`` or ``gr00t_bench`` (any experiment of either
+family; ``--overrides`` as for the launcher). The models get three camera slots.
+
+The mixture (fixed ``--seed``): three embodiments drawn uniformly with 1, 2 or 3 cameras
+(state of 8, 14 or 32 dims); instructions of 8-60 words (1.3 tokens per word); π0.5's
+prompt carries the discretised state as text (one token per digit plus a separator per
+dimension, as PaliGemma's tokenizer splits numbers). Token ids and pixels are random: the
+cost of a step depends only on the shapes.
+
+- padded (today's batching): prompts right-padded to ``max_token_len``, every camera slot
+  filled; absent cameras masked (π0.5) or given a blank image (GR00T has no camera mask);
+- packed: the builders' variable-length form (only the cameras a sample has, no prompt
+  padding) packed by ``data/packing.py`` into rows of ``--seq-len`` tokens (default: the
+  multiple of 128 whose packed steps cost the fewest analytic FLOPs), the row count,
+  samples and image slots per row fixed to the most any step needs (static shapes).
+
+Prints the mixture's statistics, the timings and one JSON line with ``model``,
+``padded_examples_per_s``, ``packed_examples_per_s``, ``speedup`` (packed / padded) and
+``ideal_speedup`` = analytic FLOPs of the padded batches / analytic FLOPs of the same
+samples unpadded (``training_flops``: weight matmuls plus attention's quadratic term).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+CAMERAS = {"pi05": ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"),
+           "gr00t": ("ego_view", "left_wrist", "right_wrist")}
+EMBODIMENTS = ((1, 8), (2, 14), (3, 32))  # (cameras, state dims)
+PI05_TEMPLATE = 8  # BOS, "Task:", ", State:", ";\nAction: " pieces
+GR00T_TEMPLATE = 24  # chat template around the user turn
+GR00T_IMAGE_TAGS = 6  # "<image k>" text, <img>, </img>
+
+
+@dataclasses.dataclass
+class Sample:
+    cameras: int
+    state_dims: int
+    words: int
+    text_tokens: int  # prompt tokens beyond the image placeholders
+
+
+def draw_mixture(rng, count: int, family: str) -> list[Sample]:
+    out = []
+    for _ in range(count):
+        cams, dims = EMBODIMENTS[int(rng.integers(len(EMBODIMENTS)))]
+        words = int(rng.integers(8, 61))
+        instruction = int(round(1.3 * words))
+        if family == "pi05":
+            bins = rng.integers(0, 256, dims)
+            state = int(sum(len(str(b)) + 1 for b in bins))
+            text = PI05_TEMPLATE + instruction + state
+        else:
+            text = GR00T_TEMPLATE + instruction + cams * GR00T_IMAGE_TAGS
+        out.append(Sample(cams, dims, words, text))
+    return out
+
+
+def model_for(config, family: str, mixture: list[Sample]):
+    cams = CAMERAS[family]
+    longest_text = max(s.text_tokens for s in mixture)
+    if family == "pi05":
+        return dataclasses.replace(config, camera_names=cams, max_token_len=max(config.max_token_len, 200,
+                                                                                    longest_text))
+    patches = (config.image_size // config.patch_size) ** 2
+    # the padded prompt holds every camera's block: its text is the sample's plus the absent cameras' tags
+    text = max(s.text_tokens + (len(cams) - s.cameras) * GR00T_IMAGE_TAGS for s in mixture)
+    return dataclasses.replace(config, cameras=cams, max_token_len=len(cams) * patches + text)
+
+
+def pi05_samples(model, mixture, rng):
+    from embodied_jax.models.pi05_inputs import packed_sample
+
+    size = model.vision.image_size
+    padded, packed = [], []
+    for s in mixture:
+        n = min(s.text_tokens, model.max_token_len)
+        tokens = np.zeros(model.max_token_len, np.int32)
+        tokens[:n] = rng.integers(1, model.vocab_size, n)
+        images = {c: rng.uniform(-1, 1, (size, size, 3)).astype(np.float32) if j < s.cameras
+                  else np.full((size, size, 3), -1.0, np.float32) for j, c in enumerate(model.camera_names)}
+        sample = {
+            "images": images,
+            "image_masks": {c: np.bool_(j < s.cameras) for j, c in enumerate(model.camera_names)},
+            "state": rng.uniform(-1, 1, model.max_state_dim).astype(np.float32),
+            "tokens": tokens, "token_mask": np.arange(model.max_token_len) < n,
+            "actions": rng.normal(size=(model.action_horizon, model.max_action_dim)).astype(np.float32),
+            "action_dim_mask": np.arange(model.max_action_dim) < model.action_dim,
+        }
+        padded.append(sample)
+        packed.append(packed_sample(sample, model.camera_names, model.vision.num_patches, model.image_token_id))
+    return padded, packed
+
+
+def gr00t_samples(model, mixture, rng):
+    patches = model.image_tokens
+    size = model.image_size
+    text_vocab = min(model.vocab_size, model.image_token_id)
+    padded, packed = [], []
+
+    def prompt(text_tokens, cams):
+        pieces = [rng.integers(0, text_vocab, GR00T_TEMPLATE // 2)]
+        for _ in range(cams):
+            pieces += [rng.integers(0, text_vocab, GR00T_IMAGE_TAGS - 1), np.full(patches, model.image_token_id),
+                       rng.integers(0, text_vocab, 1)]
+        rest = text_tokens - GR00T_TEMPLATE // 2 - cams * GR00T_IMAGE_TAGS
+        pieces.append(rng.integers(0, text_vocab, max(rest, 1)))
+        return np.concatenate(pieces).astype(np.int32)
+
+    for s in mixture:
+        common = {
+            "state": np.pad(rng.normal(size=s.state_dims), (0, model.max_state_dim - s.state_dims)).astype(np.float32),
+            "embodiment_id": np.int32(s.cameras),
+            "actions": rng.normal(size=(model.action_horizon, model.action_dim)).astype(np.float32),
+            "action_mask": np.ones((model.action_horizon, model.action_dim), bool),
+        }
+        images = [rng.uniform(-1, 1, (size, size, 3)).astype(np.float32) for _ in range(s.cameras)]
+        full = prompt(s.text_tokens + (len(model.cameras) - s.cameras) * GR00T_IMAGE_TAGS, len(model.cameras))
+        tokens = np.zeros(model.max_token_len, np.int32)
+        tokens[:len(full)] = full
+        blank = np.full((size, size, 3), -1.0, np.float32)
+        padded.append(dict(common, tokens=tokens, token_mask=np.arange(model.max_token_len) < len(full),
+                           images={c: images[j] if j < s.cameras else blank for j, c in enumerate(model.cameras)},
+                           image_masks={c: np.bool_(True) for c in model.cameras}))
+        packed.append(dict(common, tokens=prompt(s.text_tokens, s.cameras), images=np.stack(images)))
+    return padded, packed
+
+
+def stack(samples):
+    from embodied_jax.models.pi05_inputs import stack_rows
+
+    return stack_rows(samples)
+
+
+def time_steps(rt, state, batches, warmup: int, steps: int, profile: str | None = None, label: str = ""):
+    import jax
+
+    from embodied_jax.parallel.sharding import global_batch
+
+    device = [global_batch(b, rt.mesh, rt.rules) for b in batches]
+    step = rt.step_function(device[0])
+    t0 = time.perf_counter()
+    compiled = step.lower(state, device[0]).compile()
+    compile_s = time.perf_counter() - t0
+    for i in range(warmup):
+        state, metrics = compiled(state, device[i % len(device)])
+    jax.block_until_ready(metrics)
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        state, metrics = compiled(state, device[i % len(device)])
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t)
+    if profile:
+        from experiments.benchmarks.profile import report
+
+        holder = {"state": state}
+
+        def run():
+            holder["state"], m = compiled(holder["state"], device[0])
+            return m
+
+        report(label, run, compiled, f"{profile}/{label}")
+        state = holder["state"]
+    return statistics.median(times), compile_s, float(metrics["loss"]), state
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--batch", type=int, default=8, help="samples per step (both layouts)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=0, help="packed row length (0: the cheapest multiple of 128)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default=None, help="trace one step of each layout here, print the top ops")
+    bench, rest = parser.parse_known_args(argv)
+
+    from embodied_jax.data.packing import PackingConfig, pack_samples
+    from embodied_jax.models.gr00t import Gr00tConfig
+    from embodied_jax.train.loop import build, initial_state
+    from experiments.launch import parse
+
+    config = parse(rest)
+    family = "gr00t" if isinstance(config.model, Gr00tConfig) else "pi05"
+    rng = np.random.default_rng(bench.seed)
+    mixture = [draw_mixture(rng, bench.batch, family) for _ in range(bench.steps)]
+    model = model_for(config.model, family, [s for step in mixture for s in step])
+    config = dataclasses.replace(config, model=model,
+                                 train=dataclasses.replace(config.train, batch_size=bench.batch))
+    make = pi05_samples if family == "pi05" else gr00t_samples
+    per_step = [make(model, step, rng) for step in mixture]
+    lengths = [len(p["tokens"]) for _, packed in per_step for p in packed]
+    tokens_per_image = model.vision.num_patches if family == "pi05" else model.image_tokens
+
+    def analytic(batch):
+        f = model.training_flops(batch)
+        return f["weights"] + f["attention"]
+
+    def layout(seq_len):
+        """Packed batches with rows, samples and image slots per row fixed to the most any step needs."""
+        packing = PackingConfig(seq_len=seq_len, max_samples_per_row=bench.batch).resolved(tokens_per_image)
+        first = [pack_samples(packed, packing) for _, packed in per_step]
+        rows = max(len(b["tokens"]) for b in first)
+        packing = dataclasses.replace(
+            packing, max_samples_per_row=max(int(b["sample_mask"].sum(1).max()) for b in first),
+            max_images_per_row=max(int((b["image_segment_ids"] > 0).sum(1).max()) for b in first))
+        batches = [pack_samples(packed, packing, num_rows=rows) for _, packed in per_step]
+        return float(np.mean([analytic(b) for b in batches])), packing, rows, batches
+
+    # The row length a user would pick for this mixture: the one whose packed steps cost least.
+    step = 128
+    candidates = [bench.seq_len] if bench.seq_len else range(-(-max(lengths) // step) * step, 4 * max(lengths), step)
+    packed_flops, packing, rows, packed_batches = min((layout(n) for n in candidates), key=lambda x: x[0])
+    seq_len, per_row = packing.seq_len, packing.max_samples_per_row
+    padded_batches = [stack(padded) for padded, _ in per_step]
+
+    flat = [s for step in mixture for s in step]
+    cams = np.bincount([s.cameras for s in flat], minlength=4)[1:]
+    texts = [s.text_tokens for s in flat]
+    real = sum(int((b["segment_ids"] > 0).sum()) for b in packed_batches)
+    slots = sum(int((b["image_segment_ids"] > 0).sum()) for b in packed_batches)
+    print(f"mixture: {len(flat)} samples (seed {bench.seed}); cameras 1/2/3: {cams.tolist()}; instruction words "
+          f"{min(s.words for s in flat)}-{max(s.words for s in flat)} (mean {np.mean([s.words for s in flat]):.1f}); "
+          f"prompt tokens {min(texts)}-{max(texts)} (mean {np.mean(texts):.1f}); sample tokens (images included) "
+          f"{min(lengths)}-{max(lengths)} (mean {np.mean(lengths):.1f})")
+    print(f"padded: {bench.batch} samples x {padded_batches[0]['tokens'].shape[1]} prompt tokens, "
+          f"{len(CAMERAS[family])} camera slots each")
+    print(f"packed: {rows} rows x {seq_len} tokens, <= {per_row} samples and {packing.max_images_per_row} image "
+          f"slots per row; tokens real {real / (rows * seq_len * len(packed_batches)):.1%}, image slots used "
+          f"{slots / (rows * packing.max_images_per_row * len(packed_batches)):.1%}")
+
+    padded_flops = np.mean([analytic(b) for b in padded_batches])
+    one = dataclasses.replace(packing, max_samples_per_row=1)
+    unpadded_flops = np.mean([sum(analytic(pack_samples([p], dataclasses.replace(
+        one, seq_len=len(p["tokens"]), max_images_per_row=max(1, len(p["images"]))))) for p in packed)
+        for _, packed in per_step])
+
+    rt = build(config)
+    with rt.context():
+        state = initial_state(rt)
+        # the step donates its state: each layout continues from the state the previous one returned
+        padded_s, padded_compile, padded_loss, state = time_steps(rt, state, padded_batches, bench.warmup,
+                                                                  bench.steps, bench.profile, "padded")
+        packed_s, packed_compile, packed_loss, state = time_steps(rt, state, packed_batches, bench.warmup,
+                                                                  bench.steps, bench.profile, "packed")
+    result = {
+        "model": config.name,
+        "samples_per_step": bench.batch,
+        "padded_step_s": padded_s,
+        "packed_step_s": packed_s,
+        "padded_examples_per_s": bench.batch / padded_s,
+        "packed_examples_per_s": bench.batch / packed_s,
+        "speedup": padded_s / packed_s,
+        "ideal_speedup": float(padded_flops / unpadded_flops),
+        "packed_layout_speedup": float(padded_flops / packed_flops),
+        "fraction_of_ideal": float((padded_s / packed_s) / (padded_flops / unpadded_flops)),
+        "padded_analytic_flops": float(padded_flops),
+        "packed_analytic_flops": float(packed_flops),
+        "unpadded_analytic_flops": float(unpadded_flops),
+        "rows": rows, "seq_len": seq_len, "samples_per_row": per_row,
+        "compile_s": {"padded": padded_compile, "packed": packed_compile},
+        "loss": {"padded": padded_loss, "packed": packed_loss},
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

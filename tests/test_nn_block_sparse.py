@@ -1,0 +1,135 @@
+"""Block-sparse segment attention vs the dense-mask reference (float32, forward and gradients),
+the KV-cache form, dispatch, and the cost: XLA-counted FLOPs close to the visible block pairs."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from embodied_jax.nn import attention as attn
+from embodied_jax.nn.block_sparse import SegmentBounds, block_sparse_attention
+from embodied_jax.parallel.hlo import dot_flops
+
+
+def random_packing(rng, batch, length, max_len, structure):
+    """Packed rows: contiguous segments 1.. of 1..max_len tokens, a padding tail, an empty row
+    when batch > 2; block ids of the given structure."""
+    seg = np.zeros((batch, length), np.int32)
+    blk = np.zeros((batch, length), np.int32)
+    for b in range(batch):
+        if batch > 2 and b == batch - 1:
+            continue  # an empty row
+        pos, sid = 0, 1
+        while pos < length:
+            n = min(int(rng.choice([1, rng.integers(1, max_len + 1)])), length - pos)  # one-token segments too
+            if rng.random() < 0.1 and sid > 1:
+                break
+            seg[b, pos:pos + n] = sid
+            if structure == "causal":
+                blk[b, pos:pos + n] = np.arange(n)
+            elif structure == "general":
+                blk[b, pos:pos + n] = rng.integers(0, 3, n)
+            pos, sid = pos + n, sid + 1
+    return seg, blk
+
+
+def dense(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale):
+    return attn.xla_attention(q, k, v, attn.attention_mask(q_seg, kv_seg, q_blk, kv_blk), scale)
+
+
+def check_equal(q, k, v, q_seg, kv_seg, q_blk, kv_blk, bounds, scale=0.25):
+    weights = jnp.asarray(np.random.default_rng(0).standard_normal(q.shape).astype(np.float32))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
+
+    sparse = jax.jit(lambda q, k, v: block_sparse_attention(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale=scale,
+                                                            bounds=bounds))
+    ref = jax.jit(lambda q, k, v: dense(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale))
+    np.testing.assert_allclose(np.asarray(sparse(q, k, v)), np.asarray(ref(q, k, v)), atol=1e-6, rtol=1e-6)
+    got = jax.jit(jax.grad(loss(sparse), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("structure,heads,kv_heads,block", [("none", 4, 1, 8), ("causal", 4, 2, 4),
+                                                            ("general", 2, 2, 16)])
+def test_self_attention_equals_dense(structure, heads, kv_heads, block):
+    rng = np.random.default_rng([heads, kv_heads, block])
+    b, t, max_len = 4, 61, 19  # segments straddle block edges (block sizes 4..16)
+    seg, blk = random_packing(rng, b, t, max_len, structure)
+    segments = int(seg.max())
+    q = rng.standard_normal((b, t, heads, 8)).astype(np.float32)
+    k = rng.standard_normal((b, t, kv_heads, 8)).astype(np.float32)
+    v = rng.standard_normal((b, t, kv_heads, 8)).astype(np.float32)
+    bounds = SegmentBounds(max_segments=segments, max_q_len=max_len, max_kv_len=max_len, block_size=block)
+    blk_arg = None if structure == "none" else blk
+    check_equal(q, k, v, seg, seg, blk_arg, blk_arg, bounds)
+
+
+def test_kv_cache_form_equals_dense():
+    """π0.5's suffix: queries = per-sample action tokens (block 1), keys = the cached packed prefix
+    followed by the suffix, so a key segment is two runs (prefix, then suffix)."""
+    rng = np.random.default_rng(1)
+    b, p_len, hzn, m = 3, 40, 5, 3
+    prefix_seg, _ = random_packing(rng, b, p_len, 16, "none")
+    prefix_seg = np.minimum(prefix_seg, m)  # at most m samples (the last runs merge: still contiguous)
+    present = np.stack([(prefix_seg == i).any(1) for i in range(1, m + 1)], 1)
+    suffix_seg = np.repeat(np.where(present, np.arange(1, m + 1), 0), hzn, axis=1).astype(np.int32)
+    suffix_blk = np.ones_like(suffix_seg)
+    prefix_blk = np.zeros_like(prefix_seg)
+    n, kh, h = 4, 1, 8
+    q = rng.standard_normal((b, m * hzn, n, h)).astype(np.float32)
+    k_all = rng.standard_normal((b, p_len + m * hzn, kh, h)).astype(np.float32)
+    v_all = rng.standard_normal((b, p_len + m * hzn, kh, h)).astype(np.float32)
+    cache = attn.KVCache(k=jnp.asarray(k_all[:, :p_len]), v=jnp.asarray(v_all[:, :p_len]),
+                         segment_ids=jnp.asarray(prefix_seg), block_ids=jnp.asarray(prefix_blk))
+    longest = int(max((prefix_seg == i).sum(1).max() for i in range(1, m + 1)))
+    bounds = SegmentBounds(max_segments=m, max_q_len=hzn, max_kv_len=longest + hzn, block_size=8)
+    kwargs = dict(q_segment_ids=suffix_seg, kv_segment_ids=suffix_seg, q_block_ids=suffix_blk,
+                  kv_block_ids=suffix_blk, cache=cache, scale=0.3)
+    got = jax.jit(lambda q, k, v: attn.attention(q, k, v, impl="auto", bounds=bounds, **kwargs))(
+        q, k_all[:, p_len:], v_all[:, p_len:])
+    want = jax.jit(lambda q, k, v: attn.attention(q, k, v, impl="xla", **kwargs))(q, k_all[:, p_len:], v_all[:, p_len:])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+    seg = np.concatenate([prefix_seg, suffix_seg], 1)
+    blk = np.concatenate([prefix_blk, suffix_blk], 1)
+    check_equal(q, k_all, v_all, suffix_seg, seg, suffix_blk, blk, bounds, scale=0.3)
+
+
+def test_dispatch_uses_block_sparse_for_packed_rows_on_cpu():
+    rng = np.random.default_rng(2)
+    seg, _ = random_packing(rng, 2, 24, 8, "none")
+    q = rng.standard_normal((2, 24, 2, 8)).astype(np.float32)
+    bounds = SegmentBounds(max_segments=int(seg.max()), max_q_len=8, max_kv_len=8, block_size=4)
+    kwargs = dict(q_segment_ids=seg, kv_segment_ids=seg)
+    auto = jax.jit(lambda q: attn.attention(q, q, q, impl="auto", bounds=bounds, **kwargs))
+    hlo = auto.lower(q).as_text()
+    dense_hlo = jax.jit(lambda q: attn.attention(q, q, q, impl="xla", **kwargs)).lower(q).as_text()
+    assert "24x24" in dense_hlo and "24x24" not in hlo  # no row x row mask
+    np.testing.assert_allclose(np.asarray(auto(q)), np.asarray(attn.attention(q, q, q, impl="xla", **kwargs)),
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="needs bounds"):
+        attn.attention(q, q, q, impl="blocksparse", **kwargs)
+    with pytest.raises(ValueError, match="max_segments"):
+        SegmentBounds(max_segments=0, max_q_len=1, max_kv_len=1)
+
+
+def _flops(fn, *args):
+    """XLA's matmul FLOPs of the compiled program, every loop body times its trip count."""
+    return dot_flops(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def test_flops_of_eight_equal_segments_near_visible_block_pairs():
+    t, length, block, n, h = 2048, 256, 64, 4, 64
+    seg = np.repeat(np.arange(1, 9, dtype=np.int32), length)[None]
+    q = jnp.zeros((1, t, n, h), jnp.float32)
+    k = jnp.zeros((1, t, 1, h), jnp.float32)
+    bounds = SegmentBounds(max_segments=8, max_q_len=length, max_kv_len=length, block_size=block)
+    sparse = _flops(lambda q, k: block_sparse_attention(q, k, k, seg, seg, None, None, scale=0.1, bounds=bounds), q, k)
+    visible_pairs = 8 * (length // block) ** 2
+    pair_flops = 2 * 2 * block * block * n * h  # q·k and p·v of one block pair
+    ratio = sparse / (visible_pairs * pair_flops)
+    dense_ratio = _flops(lambda q, k: dense(q, k, k, seg, seg, None, None, 0.1), q, k) / (visible_pairs * pair_flops)
+    assert 1.0 <= ratio <= 1.3, ratio
+    assert dense_ratio > 7.5  # the dense mask pays for all 8 x 8 segment pairs
