@@ -1,4 +1,4 @@
-"""GR00T input builder: Eagle chat prompt with image placeholders from a tiny local tokenizer.json; the packed form."""
+"""GR00T input builder: Eagle chat prompt with image-token ids from a tiny local tokenizer.json; the packed form."""
 from __future__ import annotations
 
 import numpy as np

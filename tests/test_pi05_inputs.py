@@ -88,7 +88,7 @@ def test_resize_with_pad_keeps_aspect():
     assert out[3:9].min() >= -1.0 and out[3:9].max() <= 1.0
 
 
-def test_packed_builder_emits_placeholders_for_present_cameras_only(sp_model):
+def test_packed_builder_emits_image_tokens_for_present_cameras_only(sp_model):
     kwargs = dict(camera_names=("base", "wrist"), image_size=(4, 4), max_token_len=128, max_state_dim=2,
                   image_tokens=3, image_token_id=999)
     padded, packed = Pi05InputBuilder(sp_model, **kwargs), Pi05InputBuilder(sp_model, packed=True, **kwargs)

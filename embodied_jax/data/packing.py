@@ -4,7 +4,7 @@ Every model reads the layout made here (DESIGN.md batch contract). A sample, as 
 input builder emits it with packing on, has
 
 - token streams (``token_keys``, default ``tokens``): 1-D, equal lengths, no padding; image
-  tokens are placeholders that the model fills from the sample's images in order;
+  tokens are image-token ids that the model fills from the sample's images in order;
 - ``images`` (``image_key``): [n, H, W, 3], only the cameras the sample has (n may be 0);
 - any other per-sample value (state, actions, masks, embodiment id, ...).
 
@@ -42,7 +42,7 @@ class PackingConfig:
     """``seq_len`` tokens per row; 0 turns packing off (``--data.packing.seq-len N`` turns it on).
 
     ``max_images_per_row`` 0 means ``seq_len // tokens_per_image`` of the model's builder
-    (every image costs that many placeholder tokens, so a full row never holds more).
+    (every image costs that many tokens, so a full row never holds more).
     """
 
     seq_len: int = 0

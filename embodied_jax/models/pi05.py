@@ -20,7 +20,7 @@ Beyond upstream:
   the prefix from all K). ``joint_forward=True`` runs upstream's single joint pass (K must be 1);
   at K=1 both give the same loss.
 - Packed rows (``data/packing.py``, the builder's ``packed=True`` form): ``tokens``,
-  ``segment_ids``, ``positions`` [R, L] with image placeholders (``image_token_id``) where each
+  ``segment_ids``, ``positions`` [R, L] with image-token ids (``image_token_id``) where each
   sample's images go, ``images`` [R, I, H, W, 3] / ``image_segment_ids`` [R, I] (only the
   cameras samples have), per-sample ``actions`` [R, M, horizon, A], ``action_dim_mask``
   [R, M, A] and ``sample_mask`` [R, M]. Suffix tokens of sample m get segment m; attention
@@ -109,7 +109,7 @@ class Pi05Config:
 
     @property
     def image_token_id(self) -> int:
-        """Image placeholder id in packed token streams: PaliGemma's ``<image>``, just past the vocabulary."""
+        """Image-token id in packed token streams: PaliGemma's ``<image>``, just past the vocabulary."""
         return self.vocab_size
 
     @property
@@ -320,7 +320,7 @@ class Pi05Policy(nnx.Module):
         return x, segments, positions
 
     def embed_packed_prefix(self, batch):
-        """Packed prefix: the row's token embeddings with each image placeholder replaced, in
+        """Packed prefix: the row's token embeddings with each image-token id replaced, in
         order, by the row's image tokens (``nn.embeddings.fill_image_tokens``)."""
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
         is_image = tokens == self.config.image_token_id

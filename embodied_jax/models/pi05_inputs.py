@@ -13,9 +13,9 @@ Follows openpi/LeRobot's π0.5 preprocessing:
 - actions are zero-padded to ``max_action_dim``; ``action_dim_mask`` marks the real dimensions.
 
 With ``packed=True`` the builder emits a sample for ``data/packing.py`` instead: ``tokens``
-unpadded = ``image_tokens`` placeholders (``image_token_id``, PaliGemma's ``<image>``) per
+unpadded = ``image_tokens`` image-token ids (``image_token_id``, PaliGemma's ``<image>``) per
 camera the sample has, then the prompt; ``images`` [n, H, W, 3] for those cameras only (an
-absent camera is never encoded). The model fills the placeholders with the images' tokens,
+absent camera is never encoded). The model fills those tokens with the images' tokens,
 so a packed sample's prefix is the unpadded sample's real tokens in the same order.
 
 The builder is a plain callable on one unbatched sample so the data pipeline can map it.
@@ -105,8 +105,8 @@ class Pi05InputBuilder:
     max_action_dim: int = 32
     state_bins: int = 256
     packed: bool = False  # emit variable-length samples for the packer (module docstring)
-    image_tokens: int = 256  # vision tokens per image (placeholders per camera when packed)
-    image_token_id: int = 257_152  # the placeholder id (outside the text vocabulary)
+    image_tokens: int = 256  # vision tokens per image (image-token ids per camera when packed)
+    image_token_id: int = 257_152  # the image-token id (outside the text vocabulary)
 
     def __post_init__(self):
         object.__setattr__(self, "_tokenizer", load_tokenizer(self.tokenizer_path))
@@ -159,13 +159,13 @@ class Pi05InputBuilder:
 
 
 def packed_sample(sample: dict[str, Any], camera_names, image_tokens: int, image_token_id: int) -> dict[str, Any]:
-    """An unpadded builder sample -> the packer's form: placeholders for its present cameras, then
+    """An unpadded builder sample -> the packer's form: image-token ids for its present cameras, then
     its real prompt tokens; ``images`` [n, H, W, 3] of those cameras; other values unchanged."""
     present = [c for c in camera_names if bool(sample["image_masks"][c])]
     out = {k: v for k, v in sample.items() if k not in ("images", "image_masks", "tokens", "token_mask")}
     prompt = np.asarray(sample["tokens"])[np.asarray(sample["token_mask"], bool)]
-    placeholders = np.full(len(present) * image_tokens, image_token_id, np.int32)
-    out["tokens"] = np.concatenate([placeholders, prompt]).astype(np.int32)
+    image_ids = np.full(len(present) * image_tokens, image_token_id, np.int32)
+    out["tokens"] = np.concatenate([image_ids, prompt]).astype(np.int32)
     shape = np.shape(sample["images"][camera_names[0]])
     out["images"] = (np.stack([np.asarray(sample["images"][c], np.float32) for c in present]) if present
                      else np.zeros((0, *shape), np.float32))

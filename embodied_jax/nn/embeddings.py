@@ -9,7 +9,7 @@
   zero-padded by one column when ``dim`` is odd.
 - ``LearnedPositions`` (param ``embedding`` [num, dim]) and ``Embed`` (token table with
   axes ("vocab", "embed"), ``attend`` for a tied output projection).
-- ``fill_image_tokens``: image features into the image-placeholder tokens of each row.
+- ``fill_image_tokens``: image features into the image-token positions of each row.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from embodied_jax.parallel.partition import gather_parameter
 
 
 def fill_image_tokens(embeddings, is_image, image_rows):
-    """Row r's k-th placeholder (``is_image`` [R, L]) gets token k of ``image_rows`` [R, N, D].
+    """Row r's k-th image-token id (``is_image`` [R, L]) gets token k of ``image_rows`` [R, N, D].
 
-    Row by row, so a batch-sharded step keeps the fill local; a row with more placeholders
+    Row by row, so a batch-sharded step keeps the fill local; a row with more image-token ids
     than image tokens repeats the last one (callers keep the counts equal)."""
     index = jnp.clip(jnp.cumsum(is_image.astype(jnp.int32), axis=1) - 1, 0, image_rows.shape[1] - 1)
     gathered = jnp.take_along_axis(image_rows, index[..., None], axis=1).astype(embeddings.dtype)

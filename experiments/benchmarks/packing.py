@@ -46,7 +46,7 @@ class Sample:
     cameras: int
     state_dims: int
     words: int
-    text_tokens: int  # prompt tokens beyond the image placeholders
+    text_tokens: int  # prompt tokens beyond the image tokens
 
 
 def draw_mixture(rng, count: int, family: str) -> list[Sample]:
