@@ -218,7 +218,7 @@ class Gr00tConfig:
         vl_tokens = rows * length
         dit_tokens = 1 + self.num_future_tokens + self.action_horizon
         inner = self.dit_heads * self.dit_head_dim
-        vision = dataclasses.replace(self.eagle_config().vision)
+        vision = self.eagle_config().vision
         weights, attention = flops.Tally(), flops.Tally()
         weights.add(flops.siglip(vision, images) + 2 * images * patches * self.vision_width * self.llm_width,
                     trains=self.tune_visual)
@@ -433,7 +433,8 @@ class Gr00tPolicy(nnx.Module):
         loss = errors.sum() / jnp.maximum(counts.sum(), 1.0)
         seg = batch["segment_ids"] if "segment_ids" in batch else batch["token_mask"]
         tokens = jnp.sum(jnp.asarray(seg) > 0)
-        examples = jnp.sum(self.per_sample(batch)[1] > 0, dtype=jnp.int32)
+        examples = (jnp.sum(jnp.asarray(batch["sample_mask"]), dtype=jnp.int32) if "sample_mask" in batch
+                    else jnp.int32(errors.shape[0]))
         return loss, {"loss": loss, "tokens": tokens, "examples": examples}
 
     def sample_actions(self, observation, rng, *, num_steps=None, noise=None):

@@ -135,12 +135,6 @@ def gr00t_samples(model, mixture, rng):
     return padded, packed
 
 
-def stack(samples):
-    from embodied_jax.models.pi05_inputs import stack_rows
-
-    return stack_rows(samples)
-
-
 def time_steps(rt, state, batches, warmup: int, steps: int, profile: str | None = None, label: str = ""):
     import jax
 
@@ -187,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from embodied_jax.data.packing import PackingConfig, pack_samples
     from embodied_jax.models.gr00t import Gr00tConfig
+    from embodied_jax.models.pi05_inputs import stack_rows
     from embodied_jax.train.loop import build, initial_state
     from experiments.launch import parse
 
@@ -222,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     candidates = [bench.seq_len] if bench.seq_len else range(-(-max(lengths) // step) * step, 4 * max(lengths), step)
     packed_flops, packing, rows, packed_batches = min((layout(n) for n in candidates), key=lambda x: x[0])
     seq_len, per_row = packing.seq_len, packing.max_samples_per_row
-    padded_batches = [stack(padded) for padded, _ in per_step]
+    padded_batches = [stack_rows(padded) for padded, _ in per_step]
 
     flat = [s for step in mixture for s in step]
     cams = np.bincount([s.cameras for s in flat], minlength=4)[1:]
