@@ -5,6 +5,7 @@ defined by the FP8 ops to be the variable's next value, so the train step replac
 the variable by its gradient instead of feeding it to the optimizer, and leaves it out
 of gradient clipping and weight decay.
 """
+
 from flax import nnx
 
 

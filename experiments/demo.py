@@ -8,6 +8,7 @@
 4. load the checkpoint as a policy bundle (``embodied_jax.load_policy``) and evaluate it
    closed-loop in batched MJX; print the success rate and where videos and plots are.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,18 +17,22 @@ import json
 import pathlib
 import time
 
-from embodied_jax.data.pipeline import DataConfig, SourceConfig
+from embodied_jax.data.pipeline import DataConfig
+from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleSpec
+from embodied_jax.data.sources import LeRobotData
+from embodied_jax.evaluation import SimEvaluation
+from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.gr00t import Gr00tConfig
+from embodied_jax.models.gr00t_action_head import ActionHeadConfig
 from embodied_jax.models.gr00t_inputs import SPECIAL_TOKENS, eagle_prompt
 from embodied_jax.models.pi05 import Pi05Config
+from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
-from experiments.data_sources import LeRobotData, ModelInputs
 from experiments.registry import register
-from experiments.sim_eval import SimEvaluation
 
 IMAGE = 32
 CAMERAS = (("observation.images.scene", "base_0_rgb"), ("observation.images.wrist", "left_wrist_0_rgb"))
@@ -41,11 +46,17 @@ def demo_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -
     return Pi05Config(
         vision=SiglipConfig(width=64, depth=2, num_heads=4, mlp_dim=128, patch_size=8, image_size=image_size),
         vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
-        expert=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16,
-                           use_adarms=True),
-        vocab_size=640, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=32,
-        action_horizon=horizon, max_action_dim=action_dim, action_dim=action_dim, max_state_dim=8,
-        num_inference_steps=10, flow_samples_per_obs=4, dtype="float32",
+        expert=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16, use_adarms=True),
+        vocab_size=640,
+        camera_names=("base_0_rgb", "left_wrist_0_rgb"),
+        max_token_len=32,
+        action_horizon=horizon,
+        max_action_dim=action_dim,
+        action_dim=action_dim,
+        max_state_dim=8,
+        num_inference_steps=10,
+        flow_samples_per_obs=4,
+        dtype="float32",
     )
 
 
@@ -79,14 +90,29 @@ def demo_gr00t_model(action_dim: int = 4, horizon: int = 8, image_size: int = IM
     """
     vocab = gr00t_vocabulary()
     config = Gr00tConfig(
-        image_size=image_size, patch_size=8, vision_width=64, vision_layers=2, vision_heads=4, vision_mlp_dim=128,
-        cameras=tuple(slot for _, slot in GR00T_CAMERAS),
-        llm_width=64, llm_layers=2, select_layer=2, llm_heads=4, llm_kv_heads=1, llm_head_dim=16, llm_mlp_dim=128,
-        vocab_size=len(vocab), image_token_id=vocab.index("<IMG_CONTEXT>"),
-        action_dim=action_dim, action_horizon=horizon, max_state_dim=8, hidden_size=64, input_embedding_dim=64,
-        num_future_tokens=4, max_seq_len=32, dit_layers=2, dit_heads=4, dit_head_dim=16, dit_output_dim=64,
-        vl_layers=1, vl_heads=4, vl_head_dim=16, num_inference_steps=10, compute_dtype="float32",
-        tune_visual=True, tune_llm=True, synthetic_text_tokens=(24, 38),
+        vision=SiglipConfig(width=64, depth=2, num_heads=4, mlp_dim=128, patch_size=8, image_size=image_size),
+        llm=Qwen3Config(
+            width=64, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16, mlp_dim=128, vocab_size=len(vocab)
+        ),
+        select_layer=2,
+        image_token_id=vocab.index("<IMG_CONTEXT>"),
+        camera_names=tuple(slot for _, slot in GR00T_CAMERAS),
+        action_head=ActionHeadConfig(
+            hidden_size=64,
+            input_embedding_dim=64,
+            num_future_tokens=4,
+            max_seq_len=32,
+            dit=DiTConfig(num_layers=2, num_heads=4, head_dim=16, output_dim=64),
+            vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=16),
+        ),
+        action_dim=action_dim,
+        action_horizon=horizon,
+        max_state_dim=8,
+        num_inference_steps=10,
+        dtype="float32",
+        tune_visual=True,
+        tune_llm=True,
+        synthetic_text_tokens=(24, 38),
     )
     return dataclasses.replace(config, max_token_len=config.image_block_tokens + 48)  # + chat template and task
 
@@ -120,8 +146,17 @@ def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
     corpus = [f"Task: {text}, State: {' '.join([str(b)] * 8)};\nAction: " for text in instructions for b in range(256)]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=model, vocab_size=vocab_size, model_type="word",
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, character_coverage=1.0, minloglevel=2, hard_vocab_limit=False,
+        sentence_iterator=iter(corpus),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="word",
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        character_coverage=1.0,
+        minloglevel=2,
+        hard_vocab_limit=False,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(model.getvalue())
@@ -139,6 +174,18 @@ class DemoConfig(ExperimentConfig):
     # task's default (1.5 cm for reach; none for grasping tasks, whose expert succeeds in
     # only about 27% of pick_place episodes under 1.5 cm of noise).
     collect_noise: float | None = None
+    # The demo's own word-level tokenizer, built before training: "sentencepiece" (the π0.5
+    # demo; PaliGemma's format) or "qwen3_words" (the GR00T demo; a Qwen3 tokenizer.json).
+    tokenizer: str = "sentencepiece"
+
+    def build_tokenizer(self, workdir: pathlib.Path) -> pathlib.Path:
+        builders = {
+            "sentencepiece": lambda: build_tokenizer(workdir / "tokenizer.model", self.model.vocab_size),
+            "qwen3_words": lambda: build_gr00t_tokenizer(workdir / "tokenizer.json"),
+        }
+        if self.tokenizer not in builders:
+            raise ValueError(f"tokenizer={self.tokenizer!r}: one of {sorted(builders)}")
+        return builders[self.tokenizer]()
 
     def run(self) -> int:
         from embodied_jax import load_policy
@@ -152,19 +199,21 @@ class DemoConfig(ExperimentConfig):
             print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
             noise = COLLECT_NOISE.get(self.task, 0.0) if self.collect_noise is None else self.collect_noise
             collect(self.task, self.episodes, dataset, image_size=tuple(self.data.data.image_size), noise=noise)
-        if isinstance(self.model, Gr00tConfig):
-            tokenizer = build_gr00t_tokenizer(workdir / "tokenizer.json")
-        else:
-            tokenizer = build_tokenizer(workdir / "tokenizer.model", vocab_size=self.model.vocab_size)
+        tokenizer = self.build_tokenizer(workdir)
         config = dataclasses.replace(
             self,
             model=dataclasses.replace(self.model, tokenizer_path=str(tokenizer)),
-            data=dataclasses.replace(self.data, data=dataclasses.replace(self.data.data, sources=(SourceConfig(str(dataset)),))),
+            data=dataclasses.replace(
+                self.data, root=str(dataset), data=dataclasses.replace(self.data.data, sources=())
+            ),
             evaluation=dataclasses.replace(self.evaluation, task=self.task),  # evaluate the task trained on
         )
         packing = config.data.packing
-        layout = (f", packed rows of {packing.seq_len} tokens ({config.train.batch_size} rows per step)"
-                  if packing.enabled else "")
+        layout = (
+            f", packed rows of {packing.seq_len} tokens ({config.train.batch_size} rows per step)"
+            if packing.enabled
+            else ""
+        )
         print(f"[2/4] training {type(config.model).__name__} for {config.train.steps} steps{layout} ...", flush=True)
         result = train(config)
         if self.eval_envs == 0:
@@ -174,7 +223,8 @@ class DemoConfig(ExperimentConfig):
         print(f"[3/4] evaluating in batched MJX ({self.eval_envs} environments) ...", flush=True)
         bundle = load_policy(workdir)
         evaluator, params = dataclasses.replace(config.evaluation, num_envs=self.eval_envs).evaluator(
-            bundle, num_videos=self.num_videos)
+            bundle, num_videos=self.num_videos
+        )
         out = workdir / "eval"
         metrics = evaluator(params=params, out_dir=out)
         (out / "results.json").write_text(json.dumps(metrics, indent=2))
@@ -182,10 +232,12 @@ class DemoConfig(ExperimentConfig):
         low, high = metrics["success_ci95"]
         losses = [h["loss"] for h in result.history if "loss" in h]
         final = f"; final loss {losses[-1]:.4f}" if losses else ""
-        print(f"[4/4] {self.task}: success rate {metrics['success_rate']:.1%} "
-              f"(95% CI {low:.1%}-{high:.1%}, {metrics['episodes']} episodes), "
-              f"mean episode length {metrics['mean_episode_length']:.1f} steps{final}; "
-              f"wall time {minutes:.1f} min")
+        print(
+            f"[4/4] {self.task}: success rate {metrics['success_rate']:.1%} "
+            f"(95% CI {low:.1%}-{high:.1%}, {metrics['episodes']} episodes), "
+            f"mean episode length {metrics['mean_episode_length']:.1f} steps{final}; "
+            f"wall time {minutes:.1f} min"
+        )
         print(f"results: {out / 'results.json'}")
         for video in metrics.get("videos", []):
             print(f"video: {video}")
@@ -218,9 +270,12 @@ def demo_config(image_size: int = IMAGE, arch: str = "pi05") -> DemoConfig:
         name="demo_gr00t" if gr00t else "demo",
         model=demo_gr00t_model(image_size=image_size) if gr00t else demo_model(image_size=image_size),
         data=LeRobotData(
-            DataConfig(sources=(), spec=SampleSpec(action_horizon=8, camera_keys=tuple(k for k, _ in cameras)),
-                       image_size=(image_size, image_size),
-                       norm_modes=(("observation.state", norm), ("action", norm))),
+            DataConfig(
+                sources=(),
+                spec=SampleSpec(action_horizon=8, camera_keys=tuple(k for k, _ in cameras)),
+                image_size=(image_size, image_size),
+                norm_modes=(("observation.state", norm), ("action", norm)),
+            ),
             ModelInputs(cameras=cameras),
         ),
         train=TrainConfig(steps=3000, batch_size=32, log_every=100, eval_every=1500, ema_decay=0.99),
@@ -231,4 +286,5 @@ def demo_config(image_size: int = IMAGE, arch: str = "pi05") -> DemoConfig:
         # Replanning after every executed action: the policy corrects its aim as the ball comes into the wrist view.
         evaluation=SimEvaluation(task="reach", num_envs=32, execute_steps=1, image_size=(image_size, image_size)),
         workdir="runs/demo_gr00t" if gr00t else "runs/demo",
+        tokenizer="qwen3_words" if gr00t else "sentencepiece",
     )

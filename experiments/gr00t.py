@@ -4,16 +4,19 @@ Freezing follows the model config's ``tune_*`` switches (upstream finetune defau
 tower, ``mlp1`` and LLM frozen; projector, DiT, adapter and future tokens trained); frozen
 parameters are stored in the compute dtype and get no optimizer state.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
-from embodied_jax.data.pipeline import DataConfig, SourceConfig
-from embodied_jax.data.samples import SampleSpec
+from embodied_jax.data.sources import LeRobotData
+from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.gr00t import Gr00tConfig
-from embodied_jax.parallel.mesh import MeshConfig
-from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
-from experiments.data_sources import LeRobotData, ModelInputs
+from embodied_jax.models.gr00t_action_head import ActionHeadConfig
+from embodied_jax.models.qwen3 import Qwen3Config
+from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.train.config import ExperimentConfig, OptimizerConfig, TrainConfig
+from experiments.common import BENCH_TRAIN, DATASET, experiment, full_size, lerobot_data
 from experiments.registry import register
 
 # upstream finetune optimiser (Isaac-GR00T / LeRobot): AdamW lr 1e-4, betas (0.95, 0.999),
@@ -21,38 +24,55 @@ from experiments.registry import register
 _UPSTREAM_OPT = dict(lr=1e-4, b1=0.95, b2=0.999, eps=1e-8, weight_decay=1e-5, schedule="warmup_cosine")
 
 BENCH_MODEL = Gr00tConfig(
-    image_size=224, patch_size=14, vision_width=256, vision_layers=4, vision_heads=4, vision_mlp_dim=1024,
-    cameras=("ego_view",),
-    llm_width=512, llm_layers=4, select_layer=4, llm_heads=8, llm_kv_heads=4, llm_head_dim=64, llm_mlp_dim=1536,
-    vocab_size=2048, image_token_id=2047, max_token_len=258 + 38,
-    action_dim=32, action_horizon=16, max_state_dim=64, hidden_size=256, input_embedding_dim=256,
-    max_num_embodiments=32, num_future_tokens=32,
-    dit_layers=4, dit_heads=8, dit_head_dim=32, dit_output_dim=256, vl_layers=1, vl_heads=8, vl_head_dim=64,
-    param_dtype="float32", compute_dtype="float32", synthetic_text_tokens=(24, 38),
+    vision=SiglipConfig(width=256, depth=4, num_heads=4, mlp_dim=1024, patch_size=14, image_size=224),
+    llm=Qwen3Config(width=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, mlp_dim=1536, vocab_size=2048),
+    select_layer=4,
+    image_token_id=2047,
+    camera_names=("ego_view",),
+    max_token_len=258 + 38,
+    action_head=ActionHeadConfig(
+        hidden_size=256,
+        input_embedding_dim=256,
+        max_num_embodiments=32,
+        num_future_tokens=32,
+        dit=DiTConfig(num_layers=4, num_heads=8, head_dim=32, output_dim=256),
+        vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=8, head_dim=64),
+    ),
+    action_dim=32,
+    action_horizon=16,
+    max_state_dim=64,
+    param_dtype="float32",
+    dtype="float32",
+    synthetic_text_tokens=(24, 38),
 )
 
 TINY_MODEL = Gr00tConfig(
-    image_size=28, patch_size=14, vision_width=32, vision_layers=2, vision_heads=2, vision_mlp_dim=64,
-    llm_width=64, llm_layers=3, select_layer=2, llm_heads=4, llm_kv_heads=2, llm_head_dim=16, llm_mlp_dim=96,
-    vocab_size=128, image_token_id=127, max_token_len=24, action_dim=6, action_horizon=4, max_state_dim=8,
-    hidden_size=32, input_embedding_dim=32, max_num_embodiments=4, num_future_tokens=4, max_seq_len=16,
-    dit_layers=2, dit_heads=2, dit_head_dim=16, dit_output_dim=32, vl_layers=1, vl_heads=4, vl_head_dim=16,
-    compute_dtype="float32", synthetic_text_tokens=(6, 12),
+    vision=SiglipConfig(width=32, depth=2, num_heads=2, mlp_dim=64, patch_size=14, image_size=28),
+    llm=Qwen3Config(width=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96, vocab_size=128),
+    select_layer=2,
+    image_token_id=127,
+    max_token_len=24,
+    action_head=ActionHeadConfig(
+        hidden_size=32,
+        input_embedding_dim=32,
+        max_num_embodiments=4,
+        num_future_tokens=4,
+        max_seq_len=16,
+        dit=DiTConfig(num_layers=2, num_heads=2, head_dim=16, output_dim=32),
+        vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=16),
+    ),
+    action_dim=6,
+    action_horizon=4,
+    max_state_dim=8,
+    dtype="float32",
+    synthetic_text_tokens=(6, 12),
 )
 
 
-def _experiment(name: str, model: Gr00tConfig, *, train: TrainConfig, optimizer: dict, mesh: MeshConfig,
-                checkpoint: CheckpointConfig = CheckpointConfig()) -> ExperimentConfig:
-    frozen_dtype = None if model.compute_dtype == model.param_dtype else model.compute_dtype
-    return ExperimentConfig(
-        name=name,
-        model=model,
-        train=train,
-        optimizer=OptimizerConfig(**optimizer, frozen_dtype=frozen_dtype),  # freezing: model.tune_*
-        mesh=mesh,
-        checkpoint=checkpoint,
-        workdir=f"runs/{name}",
-    )
+def _optimizer(model: Gr00tConfig, **overrides) -> OptimizerConfig:
+    """Upstream's optimiser; frozen parameters (``model.tune_*``) stored in the compute dtype."""
+    frozen_dtype = None if model.dtype == model.param_dtype else model.dtype
+    return OptimizerConfig(**dict(_UPSTREAM_OPT, **overrides), frozen_dtype=frozen_dtype)
 
 
 # Full size: layer stacks keep only each attention's q, k, v and output for the backward pass
@@ -63,44 +83,29 @@ FULL_MODEL = Gr00tConfig(remat_policy="save_attention")
 @register("gr00t_n15", "GR00T-N1.5-3B at full size (bf16 compute, upstream finetune freezing); use --init-from")
 def gr00t_n15() -> ExperimentConfig:
     steps = 10_000
-    return _experiment(
-        "gr00t_n15", FULL_MODEL,
-        train=TrainConfig(steps=steps, batch_size=32, log_every=10),
-        optimizer=dict(_UPSTREAM_OPT, warmup_steps=steps // 20),
-        mesh=MeshConfig(data=1, fsdp=-1),
-        checkpoint=CheckpointConfig(save_every=1000, keep_last=3),
-    )
+    return full_size("gr00t_n15", FULL_MODEL, optimizer=_optimizer(FULL_MODEL, warmup_steps=steps // 20), steps=steps)
 
 
-@register("gr00t_bench", "small GR00T for CPU benchmarks (issue spec), backbone frozen as upstream's finetune")
+@register(
+    "gr00t_bench", "small GR00T for CPU benchmarks (LeRobot's anchor sizes), backbone frozen as upstream's finetune"
+)
 def gr00t_bench() -> ExperimentConfig:
-    return _experiment(
-        "gr00t_bench", BENCH_MODEL,
-        train=TrainConfig(steps=50, batch_size=4, log_every=5),
-        optimizer=dict(_UPSTREAM_OPT, warmup_steps=5),
-        mesh=MeshConfig(data=-1),
-        checkpoint=CheckpointConfig(enabled=False),
-    )
+    return experiment("gr00t_bench", BENCH_MODEL, train=BENCH_TRAIN, optimizer=_optimizer(BENCH_MODEL, warmup_steps=5))
 
 
 @register("gr00t_bench_trainable", "gr00t_bench with every parameter trained")
 def gr00t_bench_trainable() -> ExperimentConfig:
     model = dataclasses.replace(BENCH_MODEL, tune_visual=True, tune_llm=True)
-    base = gr00t_bench()
-    return dataclasses.replace(
-        base, name="gr00t_bench_trainable", model=model, workdir="runs/gr00t_bench_trainable",
-        optimizer=base.optimizer,
-    )
+    return experiment("gr00t_bench_trainable", model, train=BENCH_TRAIN, optimizer=_optimizer(model, warmup_steps=5))
 
 
 @register("gr00t_tiny", "tiny GR00T on synthetic data (seconds on a CPU; smoke tests)")
 def gr00t_tiny() -> ExperimentConfig:
-    return _experiment(
-        "gr00t_tiny", TINY_MODEL,
+    return experiment(
+        "gr00t_tiny",
+        TINY_MODEL,
         train=TrainConfig(steps=20, batch_size=8, log_every=5),
-        optimizer=dict(_UPSTREAM_OPT, lr=1e-3, warmup_steps=2),
-        mesh=MeshConfig(data=-1),
-        checkpoint=CheckpointConfig(enabled=False),
+        optimizer=_optimizer(TINY_MODEL, lr=1e-3, warmup_steps=2),
     )
 
 
@@ -108,42 +113,36 @@ def gr00t_tiny() -> ExperimentConfig:
 FINETUNE_CAMERAS = (("observation.images.ego_view", "ego_view"),)
 
 
-def finetune_data(root: str, *, action_horizon: int, image_size: int,
-                  cameras: tuple[tuple[str, str], ...] = FINETUNE_CAMERAS) -> LeRobotData:
+def finetune_data(
+    root: str | None, *, action_horizon: int, image_size: int, cameras: tuple[tuple[str, str], ...] = FINETUNE_CAMERAS
+) -> LeRobotData:
     """A LeRobot dataset with ``meta/modality.json`` → the GR00T input builder, state and actions
     min-max normalised to [-1, 1] as upstream."""
-    return LeRobotData(
-        DataConfig(sources=(SourceConfig(root),),
-                   spec=SampleSpec(action_horizon=action_horizon, use_modality=True),
-                   image_size=(image_size, image_size),
-                   norm_modes=(("observation.state", "min_max"), ("action", "min_max"))),
-        ModelInputs(cameras=cameras),
+    return lerobot_data(
+        root, action_horizon=action_horizon, image_size=image_size, cameras=cameras, norm="min_max", use_modality=True
     )
 
 
-@register("gr00t_finetune", "GR00T-N1.5 on a LeRobot dataset with meta/modality.json: --data.data.sources.0.root "
-                            "DIR --model.tokenizer-path FILE --init-from CKPT_DIR")
+@register(
+    "gr00t_finetune",
+    "GR00T-N1.5 on a LeRobot dataset with meta/modality.json: --data.root DIR "
+    "--model.tokenizer-path FILE --init-from CKPT_DIR",
+)
 def gr00t_finetune() -> ExperimentConfig:
     """Finetune GR00T-N1.5 on a new embodiment (slot ``--model.embodiment-id``, default 31 =
     upstream's ``new_embodiment``), with upstream's default freezing (vision tower, ``mlp1`` and
     LLM frozen; projector, DiT, VL adapter and future tokens trained; ``--model.tune-visual`` etc.).
 
-        python -m experiments.launch gr00t_finetune --data.data.sources.0.root DATASET_DIR \\
+        python -m experiments.launch gr00t_finetune --data.root DATASET_DIR \\
             --model.tokenizer-path QWEN3_TOKENIZER_JSON --init-from CKPT_DIR \\
             [--data.inputs.cameras DATASET_KEY SLOT ...]
 
     ``CKPT_DIR`` is ``python -m embodied_jax.models.convert --arch gr00t_n15`` output. Camera slots
-    are ``--model.cameras``; ``--data.data.spec.camera-keys`` limits decoding to the cameras used.
+    are ``--model.camera-names``; ``--data.data.spec.camera-keys`` limits decoding to the cameras used.
     """
     steps = 10_000
     model = FULL_MODEL
-    return dataclasses.replace(
-        _experiment(
-            "gr00t_finetune", model,
-            train=TrainConfig(steps=steps, batch_size=32, log_every=10),
-            optimizer=dict(_UPSTREAM_OPT, warmup_steps=steps // 20),
-            mesh=MeshConfig(data=1, fsdp=-1),
-            checkpoint=CheckpointConfig(save_every=1000, keep_last=3),
-        ),
-        data=finetune_data("data/lerobot_dataset", action_horizon=model.action_horizon, image_size=model.image_size),
+    data = finetune_data(DATASET, action_horizon=model.action_horizon, image_size=model.vision.image_size)
+    return full_size(
+        "gr00t_finetune", model, optimizer=_optimizer(model, warmup_steps=steps // 20), steps=steps, data=data
     )

@@ -8,49 +8,41 @@ simulates N CPU devices, so ``NAME --dry-run --compile --virtual-devices 256 --m
 ``--coordinator HOST:PORT --num-processes N --process-id I`` or find their peers
 from SLURM, Kubernetes or Open MPI variables.
 """
+
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import sys
 
 import tyro
 
 
-def _split_distributed_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--coordinator")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
-    return parser.parse_known_args(argv)
-
-
 def parse(argv: list[str]):
     from experiments.registry import DEFAULT, experiments
 
-    dist, rest = _split_distributed_args(argv)
     known = experiments()
     defaults = {name: factory() for name, (_, factory) in known.items()}
     descriptions = {name: desc for name, (desc, _) in known.items()}
     config_type = tyro.extras.subcommand_type_from_defaults(defaults, descriptions)
-    config = tyro.cli(config_type, default=defaults[DEFAULT], args=rest, prog="python -m experiments.launch",
-                      description=__doc__.split("\n\n")[0])
-    if dist.coordinator or dist.num_processes or dist.process_id is not None:
-        config = dataclasses.replace(config, distributed=dataclasses.replace(
-            config.distributed, coordinator=dist.coordinator, num_processes=dist.num_processes,
-            process_id=dist.process_id))
-    return config
+    return tyro.cli(
+        config_type,
+        default=defaults[DEFAULT],
+        args=argv,
+        prog="python -m experiments.launch",
+        description=__doc__.split("\n\n")[0],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # The project's own INFO lines; other libraries' warnings and errors. absl (Orbax's logger)
+    # warns about its own type-handler registry on every start: errors only.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("embodied_jax").setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.ERROR)
     config = parse(sys.argv[1:] if argv is None else argv)
 
     from embodied_jax.parallel.virtual_devices import VirtualDevicesError, use_virtual_devices
-    from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build, train
+    from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build
 
     try:
         if config.virtual_devices is not None:
@@ -64,9 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if config.compile or config.gpu_memory_gb:
             raise ConfigError("compile: --compile and --gpu-memory-gb only apply together with --dry-run")
-        if hasattr(config, "run"):  # experiments with steps around training (the demo)
-            return config.run()
-        result = train(config)
+        return config.run()  # training, or an experiment's steps around it (the demo)
     except (ConfigError, VirtualDevicesError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -76,11 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 128 + e.signum
-    curve = [(h["step"], h["loss"]) for h in result.history if "loss" in h]
-    if curve:
-        print("loss curve: " + ", ".join(f"{s}:{loss:.4f}" for s, loss in curve))
-    print(f"finished at step {result.final_step}; outputs in {result.workdir}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,22 +5,22 @@
 Optimiser defaults follow LeRobot's π0.5 finetune: AdamW lr 2.5e-5, betas (0.9, 0.95),
 eps 1e-8, weight decay 0.01, clip norm 1, 1k warmup then cosine to 2.5e-6 over 30k steps.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
-from embodied_jax.data.pipeline import DataConfig, SourceConfig
-from embodied_jax.data.samples import SampleSpec
+from embodied_jax.data.sources import LeRobotData
 from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.pi05 import Pi05Config
 from embodied_jax.models.siglip import SiglipConfig
-from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
-from experiments.data_sources import LeRobotData, ModelInputs
+from experiments.common import BENCH_TRAIN, DATASET, experiment, full_size, lerobot_data
 from experiments.registry import register
 
-_UPSTREAM_OPT = dict(lr=2.5e-5, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, clip_norm=1.0,
-                     schedule="warmup_cosine", end_lr_factor=0.1)
+_UPSTREAM_OPT = dict(
+    lr=2.5e-5, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, clip_norm=1.0, schedule="warmup_cosine", end_lr_factor=0.1
+)
 
 
 def pi05_model() -> Pi05Config:
@@ -37,10 +37,15 @@ def bench_model() -> Pi05Config:
     return Pi05Config(
         vision=SiglipConfig(width=256, depth=4, num_heads=4, mlp_dim=1024, patch_size=14, image_size=224),
         vlm=GemmaConfig(width=512, depth=4, mlp_dim=2048, num_heads=8, num_kv_heads=1, head_dim=64),
-        expert=GemmaConfig(width=256, depth=4, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=64,
-                           use_adarms=True),
-        vocab_size=1024, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=48,
-        action_horizon=50, max_action_dim=32, action_dim=32, synthetic_prompt_len=24, dtype="float32",
+        expert=GemmaConfig(width=256, depth=4, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=64, use_adarms=True),
+        vocab_size=1024,
+        camera_names=("base_0_rgb", "left_wrist_0_rgb"),
+        max_token_len=48,
+        action_horizon=50,
+        max_action_dim=32,
+        action_dim=32,
+        synthetic_prompt_len=24,
+        dtype="float32",
         scan_layers=False,
     )
 
@@ -50,51 +55,47 @@ def tiny_model() -> Pi05Config:
     return Pi05Config(
         vision=SiglipConfig(width=32, depth=2, num_heads=2, mlp_dim=64, patch_size=8, image_size=32),
         vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
-        expert=GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16,
-                           use_adarms=True),
-        vocab_size=1024, camera_names=("base_0_rgb", "left_wrist_0_rgb"), max_token_len=64,
-        action_horizon=8, max_action_dim=8, action_dim=8, max_state_dim=8, synthetic_prompt_len=24,
-        num_inference_steps=5, dtype="float32",
+        expert=GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16, use_adarms=True),
+        vocab_size=1024,
+        camera_names=("base_0_rgb", "left_wrist_0_rgb"),
+        max_token_len=64,
+        action_horizon=8,
+        max_action_dim=8,
+        action_dim=8,
+        max_state_dim=8,
+        synthetic_prompt_len=24,
+        num_inference_steps=5,
+        dtype="float32",
     )
 
 
 @register("pi05", "π0.5 at full size (3.35B, bf16 compute, FSDP); start from weights with --init-from")
 def pi05() -> ExperimentConfig:
     steps = 30_000
-    return ExperimentConfig(
-        name="pi05",
-        model=pi05_model(),
-        train=TrainConfig(steps=steps, batch_size=32, log_every=10),
-        optimizer=OptimizerConfig(**_UPSTREAM_OPT, warmup_steps=1_000, decay_steps=steps),
-        mesh=MeshConfig(data=1, fsdp=-1),
-        checkpoint=CheckpointConfig(save_every=1_000, keep_last=3),
-        workdir="runs/pi05",
-    )
+    optimizer = OptimizerConfig(**_UPSTREAM_OPT, warmup_steps=1_000, decay_steps=steps)
+    return full_size("pi05", pi05_model(), optimizer=optimizer, steps=steps)
 
 
-@register("pi05_bench", "small π0.5 for CPU benchmarks (issue spec: 2 cameras at 224², horizon 50, batch 4)")
+@register(
+    "pi05_bench", "small π0.5 for CPU benchmarks (LeRobot's anchor sizes: 2 cameras at 224², horizon 50, batch 4)"
+)
 def pi05_bench() -> ExperimentConfig:
-    return ExperimentConfig(
-        name="pi05_bench",
-        model=bench_model(),
-        train=TrainConfig(steps=50, batch_size=4, log_every=5),
+    return experiment(
+        "pi05_bench",
+        bench_model(),
+        train=BENCH_TRAIN,
         optimizer=OptimizerConfig(**dict(_UPSTREAM_OPT, lr=1e-4), warmup_steps=5),
-        mesh=MeshConfig(data=-1),
-        checkpoint=CheckpointConfig(enabled=False),
-        workdir="runs/pi05_bench",
     )
 
 
-@register("pi05_tiny", "tiny π0.5 on synthetic data (tests, demo)")
+@register("pi05_tiny", "tiny π0.5 on synthetic data (tests)")
 def pi05_tiny() -> ExperimentConfig:
-    return ExperimentConfig(
-        name="pi05_tiny",
-        model=tiny_model(),
+    return experiment(
+        "pi05_tiny",
+        tiny_model(),
         train=TrainConfig(steps=100, batch_size=8, log_every=10),
         optimizer=OptimizerConfig(**dict(_UPSTREAM_OPT, lr=1e-3), warmup_steps=10),
-        mesh=MeshConfig(data=-1),
         checkpoint=CheckpointConfig(save_every=50, keep_last=1),
-        workdir="runs/pi05_tiny",
     )
 
 
@@ -102,23 +103,21 @@ def pi05_tiny() -> ExperimentConfig:
 FINETUNE_CAMERAS = (("observation.images.image", "base_0_rgb"), ("observation.images.wrist_image", "left_wrist_0_rgb"))
 
 
-def finetune_data(root: str, *, action_horizon: int, image_size: int,
-                  cameras: tuple[tuple[str, str], ...] = FINETUNE_CAMERAS) -> LeRobotData:
+def finetune_data(
+    root: str | None, *, action_horizon: int, image_size: int, cameras: tuple[tuple[str, str], ...] = FINETUNE_CAMERAS
+) -> LeRobotData:
     """One LeRobot dataset → the π0.5 input builder, state and actions quantile-normalised (upstream)."""
-    return LeRobotData(
-        DataConfig(sources=(SourceConfig(root),), spec=SampleSpec(action_horizon=action_horizon),
-                   image_size=(image_size, image_size),
-                   norm_modes=(("observation.state", "quantile"), ("action", "quantile"))),
-        ModelInputs(cameras=cameras),
-    )
+    return lerobot_data(root, action_horizon=action_horizon, image_size=image_size, cameras=cameras, norm="quantile")
 
 
-@register("pi05_finetune", "π0.5 on a LeRobot dataset: --data.data.sources.0.root DIR --model.tokenizer-path "
-                           "FILE --init-from CKPT_DIR [--model.lora-rank R]")
+@register(
+    "pi05_finetune",
+    "π0.5 on a LeRobot dataset: --data.root DIR --model.tokenizer-path FILE --init-from CKPT_DIR [--model.lora-rank R]",
+)
 def pi05_finetune() -> ExperimentConfig:
     """Finetune π0.5 on one LeRobot dataset (quantile statistics saved in every checkpoint).
 
-        python -m experiments.launch pi05_finetune --data.data.sources.0.root DATASET_DIR \\
+        python -m experiments.launch pi05_finetune --data.root DATASET_DIR \\
             --model.tokenizer-path PALIGEMMA_TOKENIZER_MODEL --init-from CKPT_DIR \\
             [--data.inputs.cameras DATASET_KEY SLOT ...] [--model.lora-rank 16]
 
@@ -129,19 +128,11 @@ def pi05_finetune() -> ExperimentConfig:
     """
     steps = 30_000
     model = pi05_model()
-    return ExperimentConfig(
-        name="pi05_finetune",
-        model=model,
-        data=finetune_data("data/lerobot_dataset", action_horizon=model.action_horizon,
-                           image_size=model.vision.image_size),
-        train=TrainConfig(steps=steps, batch_size=32, log_every=10),
-        optimizer=OptimizerConfig(**_UPSTREAM_OPT, warmup_steps=1_000, decay_steps=steps, frozen_dtype=model.dtype),
-        mesh=MeshConfig(data=1, fsdp=-1),
-        checkpoint=CheckpointConfig(save_every=1_000, keep_last=3),
-        workdir="runs/pi05_finetune",
-    )
+    data = finetune_data(DATASET, action_horizon=model.action_horizon, image_size=model.vision.image_size)
+    optimizer = OptimizerConfig(**_UPSTREAM_OPT, warmup_steps=1_000, decay_steps=steps, frozen_dtype=model.dtype)
+    return full_size("pi05_finetune", model, optimizer=optimizer, steps=steps, data=data)
 
 
-def with_model(experiment: ExperimentConfig, **model_overrides) -> ExperimentConfig:
+def with_model(config: ExperimentConfig, **model_overrides) -> ExperimentConfig:
     """The experiment with some model fields replaced (benchmark variants)."""
-    return dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, **model_overrides))
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **model_overrides))

@@ -4,6 +4,7 @@ Experiment modules call ``register`` at import; ``experiments()`` imports them a
 To add a family, write ``experiments/<family>.py`` with decorated factories returning an
 ``ExperimentConfig`` and add the module to ``_MODULES``.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,12 +1,13 @@
 """Experiments with the toy flow-matching policy on synthetic data (trainer tests, interim demo)."""
+
 from __future__ import annotations
 
 import dataclasses
 
+from embodied_jax.models.toy_flow import ToyFlowConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
 from experiments.registry import register
-from experiments.toy_flow_policy import ToyFlowConfig
 
 
 @register("toy", "toy flow-matching policy on synthetic data (fast; the trainer's test model)")
@@ -26,6 +27,9 @@ def toy() -> ExperimentConfig:
 def toy_large() -> ExperimentConfig:
     base = toy()
     return dataclasses.replace(
-        base, name="toy_large", model=ToyFlowConfig(width=4096, hidden=16384, depth=8),
-        mesh=MeshConfig(data=1, fsdp=-1), workdir="runs/toy_large",
+        base,
+        name="toy_large",
+        model=ToyFlowConfig(width=4096, hidden=16384, depth=8),
+        mesh=MeshConfig(data=1, fsdp=-1),
+        workdir="runs/toy_large",
     )

@@ -7,6 +7,7 @@ Each process gets ``--xla_force_host_platform_device_count`` virtual CPU devices
 is shown; the others go to ``<workdir>/process_<i>.log``. Exits with the first non-zero
 status.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,18 @@ def main() -> int:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={opts.devices_per_process}"
         env["JAX_PLATFORMS"] = "cpu"
         env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "experiments.launch", *args, "--coordinator", f"127.0.0.1:{port}",
-               "--num-processes", str(opts.num_processes), "--process-id", str(pid)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "experiments.launch",
+            *args,
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            str(opts.num_processes),
+            "--process-id",
+            str(pid),
+        ]
         out = None if pid == 0 else open(log_dir / f"process_{pid}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
     codes = [p.wait() for p in procs]

@@ -4,6 +4,7 @@ Environment variables are set before JAX is imported so that every test (and eve
 subprocess a test starts, which inherits the environment) sees 8 virtual CPU devices
 and reuses compiled executables from the same on-disk cache.
 """
+
 import os
 import pathlib
 
@@ -19,9 +20,11 @@ if "xla_backend_optimization_level" not in _flags:
 # 8 virtual devices share CI's 2 cores: a device thread can wait long for a collective's
 # rendezvous, and XLA aborts the process after 40 s by default.
 if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
-    _flags += (" --xla_cpu_collective_call_terminate_timeout_seconds=900"
-               " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300"
-               " --xla_cpu_collective_timeout_seconds=900")
+    _flags += (
+        " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+        " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300"
+        " --xla_cpu_collective_timeout_seconds=900"
+    )
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_ROOT / ".cache" / "jax"))

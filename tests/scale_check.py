@@ -1,6 +1,7 @@
 """Reduced π0.5 and GR00T-N1.5 (the full structure at width <= 512, 2 layers) compiled for a
 virtual cluster: ``python -m tests.scale_check DEVICES`` prints one JSON line per model with
 the dry-run figures at 1 example per device (fsdp = DEVICES). Used by tests/test_scale.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,11 @@ PI05 = Pi05Config(
     vision=SIGLIP,
     vlm=GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),
     expert=GemmaConfig(width=128, depth=2, mlp_dim=512, num_heads=8, num_kv_heads=1, head_dim=32, use_adarms=True),
-    vocab_size=2048, max_token_len=48, action_horizon=10, synthetic_prompt_len=16, dtype="bfloat16",
+    vocab_size=2048,
+    max_token_len=48,
+    action_horizon=10,
+    synthetic_prompt_len=16,
+    dtype="bfloat16",
     remat_policy="save_attention",
 )
 
@@ -27,12 +32,31 @@ PI05 = Pi05Config(
 def gr00t_config():
     from experiments.gr00t import FULL_MODEL
 
+    head = FULL_MODEL.action_head
     return dataclasses.replace(
-        FULL_MODEL, image_size=56, vision_width=96, vision_layers=2, vision_heads=4, vision_mlp_dim=344,
-        llm_width=256, llm_layers=2, select_layer=2, llm_heads=4, llm_kv_heads=2, llm_head_dim=64, llm_mlp_dim=768,
-        vocab_size=2048, image_token_id=2047, max_token_len=18 + 38, hidden_size=128, input_embedding_dim=192,
-        dit_layers=2, dit_heads=4, dit_head_dim=48, dit_output_dim=128, vl_layers=2, vl_heads=4, vl_head_dim=64,
-        max_seq_len=64,
+        FULL_MODEL,
+        vision=SIGLIP,
+        llm=dataclasses.replace(
+            FULL_MODEL.llm,
+            width=256,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            mlp_dim=768,
+            vocab_size=2048,
+        ),
+        select_layer=2,
+        image_token_id=2047,
+        max_token_len=18 + 38,
+        action_head=dataclasses.replace(
+            head,
+            hidden_size=128,
+            input_embedding_dim=192,
+            max_seq_len=64,
+            dit=dataclasses.replace(head.dit, num_layers=2, num_heads=4, head_dim=48, output_dim=128),
+            vl_self_attention=dataclasses.replace(head.vl_self_attention, num_layers=2, num_heads=4, head_dim=64),
+        ),
     )
 
 
@@ -40,7 +64,10 @@ def experiments():
     from experiments.gr00t import gr00t_n15
     from experiments.pi05 import pi05
 
-    return {"pi05": dataclasses.replace(pi05(), model=PI05), "gr00t_n15": dataclasses.replace(gr00t_n15(), model=gr00t_config())}
+    return {
+        "pi05": dataclasses.replace(pi05(), model=PI05),
+        "gr00t_n15": dataclasses.replace(gr00t_n15(), model=gr00t_config()),
+    }
 
 
 def measure(devices: int) -> dict[str, dict]:
@@ -49,8 +76,9 @@ def measure(devices: int) -> dict[str, dict]:
 
     out = {}
     for name, config in experiments().items():
-        config = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=devices),
-                                     train=dataclasses.replace(config.train, batch_size=devices))
+        config = dataclasses.replace(
+            config, mesh=MeshConfig(data=1, fsdp=devices), train=dataclasses.replace(config.train, batch_size=devices)
+        )
         out[name] = report(loop.build(config), compile=True, out=lambda _: None)
     return out
 

@@ -3,6 +3,7 @@
 ``test_sim_tasks`` and ``test_sim_evaluate`` build it identically, so the session's
 compilation cache compiles each task's rollout once for both.
 """
+
 import numpy as np
 
 from embodied_jax.sim import rollout as rollout_lib
@@ -13,6 +14,7 @@ BATCH = EXPERT_EPISODES + RANDOM_EPISODES
 
 def reference_rollout(env):
     """``rollout(rng) -> Trajectory``: worlds [0, 64) follow the expert, the rest act randomly."""
-    policy = rollout_lib.mixed_policy(rollout_lib.expert_policy(env), rollout_lib.random_policy(env),
-                                      np.arange(BATCH) >= EXPERT_EPISODES)
+    policy = rollout_lib.mixed_policy(
+        rollout_lib.expert_policy(env), rollout_lib.random_policy(env), np.arange(BATCH) >= EXPERT_EPISODES
+    )
     return rollout_lib.make_rollout(env, policy, BATCH)

@@ -5,6 +5,7 @@ middle of an episode must cost only that episode: Ray retries its task (with ret
 conversion fails naming the episode and a re-run converts only it), and the episodes that had
 finished are not rewritten.
 """
+
 import concurrent.futures
 import json
 import os
@@ -78,10 +79,26 @@ def ray_address():
     log = pathlib.Path(temp_dir) / "ray_start.log"
     with log.open("w") as out:
         head = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--object-store-memory=100000000",
-             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
-            env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "ray.scripts.scripts",
+                "start",
+                "--head",
+                f"--port={port}",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=2",
+                "--object-store-memory=100000000",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                f"--temp-dir={temp_dir}",
+            ],
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         assert head.wait(timeout=120) == 0, log.read_text()  # `ray start` returns once its daemons run
         yield f"127.0.0.1:{port}"
@@ -104,8 +121,11 @@ def _assert_same_store(store: pathlib.Path, reference: pathlib.Path):
         np.testing.assert_array_equal(a.arrays[key], b.arrays[key], err_msg=key)
     for position, length in enumerate(LENGTHS):
         for key in a.camera_keys:
-            np.testing.assert_array_equal(a.images(position, key, np.arange(length)),
-                                          b.images(position, key, np.arange(length)), err_msg=f"{position} {key}")
+            np.testing.assert_array_equal(
+                a.images(position, key, np.arange(length)),
+                b.images(position, key, np.arange(length)),
+                err_msg=f"{position} {key}",
+            )
     markers = sorted(p.relative_to(reference) for p in (reference / "done").glob("*.json"))
     assert sorted(p.relative_to(store) for p in (store / "done").glob("*.json")) == markers
     for name in markers + [pathlib.Path("arrays/done.json")]:  # frame counts and checksums
@@ -150,14 +170,16 @@ def _file_stats(destination: pathlib.Path, episode: int) -> dict[str, tuple[int,
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the stalled worker through /proc")
 @pytest.mark.parametrize("retries", [convert_module.RAY_TASK_RETRIES, 0], ids=["retried", "not-retried"])
-def test_killed_worker_resumes_without_rewriting_finished_episodes(raw, local_store, ray_address, tmp_path, monkeypatch,
-                                                                   retries):
+def test_killed_worker_resumes_without_rewriting_finished_episodes(
+    raw, local_store, ray_address, tmp_path, monkeypatch, retries
+):
     monkeypatch.setattr(convert_module, "RAY_TASK_RETRIES", retries)
     source, destination = pathlib.Path(shutil.copytree(raw, tmp_path / "raw")), tmp_path / "fs"
     # The second camera's video of one episode becomes a FIFO with no data: the worker converting
     # that episode writes its first camera, then blocks reading the second one until it is killed.
-    blocked = source / fmt.V21_VIDEO_PATH.format(episode_chunk=0, video_key=f"observation.images.{CAMERAS[1]}",
-                                                 episode_index=BLOCKED_EPISODE)
+    blocked = source / fmt.V21_VIDEO_PATH.format(
+        episode_chunk=0, video_key=f"observation.images.{CAMERAS[1]}", episode_index=BLOCKED_EPISODE
+    )
     real = tmp_path / "real.mp4"
     os.replace(blocked, real)
     os.mkfifo(blocked)
@@ -167,8 +189,10 @@ def test_killed_worker_resumes_without_rewriting_finished_episodes(raw, local_st
     def kill_stalled_worker():
         try:
             [pid] = _wait_for(lambda: _readers_of(blocked), "a worker to open the stalled video")
-            _wait_for(lambda: all((destination / "done" / f"{fs.episode_name(e)}.json").exists() for e in finished),
-                      "the other episodes to finish")
+            _wait_for(
+                lambda: all((destination / "done" / f"{fs.episode_name(e)}.json").exists() for e in finished),
+                "the other episodes to finish",
+            )
             name = fs.episode_name(BLOCKED_EPISODE)
             assert not (destination / "done" / f"{name}.json").exists()
             assert (destination / "frames" / f"observation.images.{CAMERAS[0]}" / name).exists()  # mid-episode

@@ -1,4 +1,5 @@
 """Writer -> reader round trips (v2.1, v3.0, hard cases), malformed datasets, modality.json, inspect CLI."""
+
 import json
 import pathlib
 import shutil
@@ -94,12 +95,16 @@ def test_v21_layout(written):
 
 
 def test_modality_views(tmp_path):
-    modality = {"state": {"arm": {"start": 0, "end": 3}, "gripper": {"start": 3, "end": 4}},
-                "action": {"arm": {"start": 0, "end": 2}, "gripper": {"start": 2, "end": 3}},
-                "video": {"ego": {"original_key": "observation.images.front"}},
-                "annotation": {"human.task_description": {"original_key": "task_index"}}}
+    modality = {
+        "state": {"arm": {"start": 0, "end": 3}, "gripper": {"start": 3, "end": 4}},
+        "action": {"arm": {"start": 0, "end": 2}, "gripper": {"start": 2, "end": 3}},
+        "video": {"ego": {"original_key": "observation.images.front"}},
+        "annotation": {"human.task_description": {"original_key": "task_index"}},
+    }
     episodes = make_episodes([5], cameras=("front",))
-    root = write_lerobot_dataset(tmp_path / "m", episodes, fps=FPS, version="v3.0", image_storage="png", modality=modality)
+    root = write_lerobot_dataset(
+        tmp_path / "m", episodes, fps=FPS, version="v3.0", image_storage="png", modality=modality
+    )
     from embodied_jax.data.samples import SampleLoader, SampleSpec
 
     sample = SampleLoader(LeRobotDataset(root), SampleSpec(action_horizon=2)).sample(0, 1)
@@ -163,8 +168,11 @@ def test_video_timestamp_outside_tolerance(v30_copy):
     values[1] += 0.04
     pq.write_table(table.set_column(table.column_names.index(column), column, pa.array(values)), path)
     ds = LeRobotDataset(v30_copy)
-    with pytest.raises(DatasetError, match=r"file-000\.mp4: frame 10 is at t=1\.0+s but t=1\.04\d*s was requested "
-                                           r"\(outside tolerance_s=0\.0001\) \[episode 1, camera observation\.images\.front\]"):
+    with pytest.raises(
+        DatasetError,
+        match=r"file-000\.mp4: frame 10 is at t=1\.0+s but t=1\.04\d*s was requested "
+        r"\(outside tolerance_s=0\.0001\) \[episode 1, camera observation\.images\.front\]",
+    ):
         ds.images(1, "observation.images.front", [2])
     assert decode_frame_id(ds.images(1, "observation.images.wrist", [2])[0]) == (1, 2, 1)
 
@@ -173,7 +181,9 @@ def test_undecodable_video(v30_copy):
     path = v30_copy / "videos/observation.images.wrist/chunk-000/file-001.mp4"
     path.write_bytes(b"\x00not a video" * 100)
     ds = LeRobotDataset(v30_copy)
-    with pytest.raises(DatasetError, match=r"file-001\.mp4: cannot open video.*episode 3, camera observation\.images\.wrist"):
+    with pytest.raises(
+        DatasetError, match=r"file-001\.mp4: cannot open video.*episode 3, camera observation\.images\.wrist"
+    ):
         ds.images(ds.position_of(3), "observation.images.wrist", [0])
     ds = LeRobotDataset(v30_copy, skip_bad_episodes=True)
     assert sorted(e for e, _ in ds.skipped) == [2, 3]
@@ -200,7 +210,9 @@ def test_episode_metadata_mismatch(v30_copy):
     table = table.set_column(table.column_names.index("length"), "length", pa.array(lengths))
     table = table.set_column(table.column_names.index("dataset_to_index"), "dataset_to_index", pa.array(to_index))
     pq.write_table(table, path)
-    with pytest.raises(DatasetError, match=r"file-000\.parquet: episode 1: metadata says 12 frames but the file has 11"):
+    with pytest.raises(
+        DatasetError, match=r"file-000\.parquet: episode 1: metadata says 12 frames but the file has 11"
+    ):
         LeRobotDataset(v30_copy)
 
 
@@ -222,7 +234,12 @@ def test_inspect_save_frame(written, tmp_path, capsys):
 
 def test_inspect_module_runs(written, subprocess_env):
     root, _ = written["v21_h264"]
-    result = subprocess.run([sys.executable, "-m", "embodied_jax.data.inspect", str(root)], env=subprocess_env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "embodied_jax.data.inspect", str(root)],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "format: LeRobot v2.1" in result.stdout and "episodes: 3" in result.stdout and "video h264" in result.stdout

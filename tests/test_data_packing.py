@@ -1,4 +1,5 @@
 """First-fit packing: no sample split, segment ids/positions, cap per row, images per row, padding fraction."""
+
 import grain
 import numpy as np
 import pytest
@@ -10,13 +11,21 @@ from embodied_jax.data.packing import PackingConfig, pack, pack_samples, padding
 
 def _samples(lengths):
     # tokens encode (sample id, position) so every packed token can be traced back
-    return [{"tokens": (1000 * (i + 1) + np.arange(n)).astype(np.int32), "token_mask": np.ones(n, bool),
-             "state": np.full(3, i, np.float32), "task": np.asarray(f"task {i}")} for i, n in enumerate(lengths)]
+    return [
+        {
+            "tokens": (1000 * (i + 1) + np.arange(n)).astype(np.int32),
+            "token_mask": np.ones(n, bool),
+            "state": np.full(3, i, np.float32),
+            "task": np.asarray(f"task {i}"),
+        }
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _pack(lengths, seq_len, cap, bins=4):
-    config = PackingConfig(seq_len=seq_len, token_keys=("tokens", "token_mask"), max_samples_per_row=cap,
-                           num_packing_bins=bins)
+    config = PackingConfig(
+        seq_len=seq_len, token_keys=("tokens", "token_mask"), max_samples_per_row=cap, num_packing_bins=bins
+    )
     samples = _samples(lengths)
     ds = grain.MapDataset.source(samples).to_iter_dataset()
     return list(pack(ds, config, probe=samples[0]))
@@ -32,7 +41,7 @@ def _check_rows(rows, lengths, seq_len, cap):
         assert 1 <= count <= cap
         # segments are contiguous runs 1..count followed by padding
         real = seg > 0
-        assert np.all(real[:real.sum()]) and not np.any(real[real.sum():])
+        assert np.all(real[: real.sum()]) and not np.any(real[real.sum() :])
         np.testing.assert_array_equal(np.unique(seg[real]), np.arange(1, count + 1))
         assert np.all(np.diff(seg[real]) >= 0)
         assert not tokens[~real].any() and not pos[~real].any() and not row["token_mask"][~real].any()
@@ -76,8 +85,14 @@ def test_packing_property(lengths, cap, bins):
 
 def test_images_pack_with_their_samples_and_bound_the_row():
     # sample i has i % 3 images, every pixel = i; 10 tokens each
-    samples = [{"tokens": np.full(10, i + 1, np.int32), "images": np.full((i % 3, 2, 2, 3), i, np.float32),
-                "actions": np.full((2,), i, np.float32)} for i in range(7)]
+    samples = [
+        {
+            "tokens": np.full(10, i + 1, np.int32),
+            "images": np.full((i % 3, 2, 2, 3), i, np.float32),
+            "actions": np.full((2,), i, np.float32),
+        }
+        for i in range(7)
+    ]
     config = PackingConfig(seq_len=40, max_samples_per_row=4, max_images_per_row=3)
     batch = pack_samples(samples, config, num_rows=5)
     assert batch["images"].shape == (5, 3, 2, 2, 3) and batch["image_segment_ids"].shape == (5, 3)

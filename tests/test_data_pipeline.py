@@ -1,4 +1,5 @@
 """Grain pipeline (sharding, mixtures, iterator state, packing) and the TensorStore frame store."""
+
 import dataclasses
 import json
 import pathlib
@@ -25,8 +26,9 @@ LENGTHS = [8, 11, 6, 9, 6]  # 40 frames
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
     episodes = make_episodes(LENGTHS, cameras=("front", "wrist"), height=32, width=32)
-    root = write_lerobot_dataset(tmp_path_factory.mktemp("raw"), episodes, fps=FPS, version="v3.0", codec="av1",
-                                 episodes_per_file=2)
+    root = write_lerobot_dataset(
+        tmp_path_factory.mktemp("raw"), episodes, fps=FPS, version="v3.0", codec="av1", episodes_per_file=2
+    )
     return root, episodes
 
 
@@ -50,7 +52,7 @@ def _take(iterator, n):
 
 def _assert_same_batches(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert sorted(x) == sorted(y)
         for key in x:
             np.testing.assert_array_equal(x[key], y[key], err_msg=key)
@@ -94,12 +96,17 @@ def test_iterator_state_restore(raw):
     with make_data_iterator(config, **kwargs) as restored:
         restored.set_state(state)
         _assert_same_batches(_take(restored, 3), expected)
-    with make_data_iterator(config, **dict(kwargs, seed=12)) as other, pytest.raises(ValueError, match="different pipeline"):
+    with (
+        make_data_iterator(config, **dict(kwargs, seed=12)) as other,
+        pytest.raises(ValueError, match="different pipeline"),
+    ):
         other.set_state(state)
 
 
 def test_iterator_state_restore_with_workers(raw):
-    config = _config(raw[0], num_workers=2, spec=SampleSpec(action_horizon=4, camera_keys=("observation.images.front",)))
+    config = _config(
+        raw[0], num_workers=2, spec=SampleSpec(action_horizon=4, camera_keys=("observation.images.front",))
+    )
     kwargs = dict(process_index=0, process_count=1, batch_size=2, seed=5)
     with make_data_iterator(config, **kwargs) as it:
         _take(it, 3)
@@ -123,13 +130,18 @@ def test_mixture_weights_follow_weight_times_length(raw, tmp_path):
 def test_packing_in_pipeline(raw):
     def builder(sample):  # a stand-in model input builder: a prompt whose length varies per frame
         length = 2 + int(sample["frame_index"]) % 5
-        return {"tokens": np.arange(1, length + 1, dtype=np.int32), "token_mask": np.ones(length, bool),
-                "state": sample["observation.state"], "actions": sample["action"]}
+        return {
+            "tokens": np.arange(1, length + 1, dtype=np.int32),
+            "token_mask": np.ones(length, bool),
+            "state": sample["observation.state"],
+            "actions": sample["action"],
+        }
 
     config = _config(raw[0], spec=SampleSpec(action_horizon=4, camera_keys=()))
     packing = PackingConfig(seq_len=12, max_samples_per_row=3, num_packing_bins=4, token_keys=("tokens", "token_mask"))
-    with make_data_iterator(config, process_index=0, process_count=1, batch_size=2, seed=0, builder=builder,
-                            packing=packing) as it:
+    with make_data_iterator(
+        config, process_index=0, process_count=1, batch_size=2, seed=0, builder=builder, packing=packing
+    ) as it:
         batch = next(it)
     assert batch["tokens"].shape == batch["segment_ids"].shape == batch["positions"].shape == (2, 12)
     assert batch["token_mask"].dtype == np.bool_
@@ -167,8 +179,9 @@ def test_interrupted_conversion_resumes(raw, tmp_path):
     with pytest.raises(fs.FrameStoreError, match=r"episodes \[1, 2, 4\] were not converted"):
         fs.FrameStore(destination)
     # a crash mid-episode leaves frames without a done marker: they are rewritten
-    fs.write_array(destination / "frames/observation.images.front/episode_000001", np.zeros((2, 4, 4, 3), np.uint8),
-                   frames=True)
+    fs.write_array(
+        destination / "frames/observation.images.front/episode_000001", np.zeros((2, 4, 4, 3), np.uint8), frames=True
+    )
     second = convert(raw[0], destination, workers=2, log=lambda *_: None)
     assert second.skipped == [0, 3] and second.written == [1, 2, 4]
     assert fs.verify_store(destination) == dict(enumerate(LENGTHS))
@@ -178,20 +191,41 @@ def test_corrupted_chunk_is_detected(store, tmp_path):
     import shutil
 
     copy = pathlib.Path(shutil.copytree(store, tmp_path / "fs"))
-    shard = next(p for p in (copy / "frames/observation.images.wrist/episode_000002").rglob("*")
-                 if p.is_file() and p.name != "zarr.json")
+    shard = next(
+        p
+        for p in (copy / "frames/observation.images.wrist/episode_000002").rglob("*")
+        if p.is_file() and p.name != "zarr.json"
+    )
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(fs.FrameStoreError, match=r"episode_000002: episode 2, camera observation\.images\.wrist: corrupted"):
+    with pytest.raises(
+        fs.FrameStoreError, match=r"episode_000002: episode 2, camera observation\.images\.wrist: corrupted"
+    ):
         fs.verify_store(copy)
 
 
 def test_convert_cli_with_resize(raw, tmp_path, subprocess_env):
     destination = tmp_path / "fs"
-    result = subprocess.run([sys.executable, "-m", "embodied_jax.data.convert", str(raw[0]), str(destination),
-                             "--image-size", "24", "20", "--workers", "2", "--verify"],
-                            env=subprocess_env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "embodied_jax.data.convert",
+            str(raw[0]),
+            str(destination),
+            "--image-size",
+            "24",
+            "20",
+            "--workers",
+            "2",
+            "--verify",
+        ],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert f"verified {len(LENGTHS)} episodes, {sum(LENGTHS)} frames" in result.stdout
     image = fs.read_array(destination / "frames/observation.images.front/episode_000001")

@@ -1,4 +1,5 @@
 """Action chunks and pad masks, delta actions, normalisation statistics and modes, image transforms."""
+
 import json
 
 import numpy as np
@@ -6,11 +7,20 @@ import pytest
 
 from embodied_jax.data.lerobot import LeRobotDataset
 from embodied_jax.data.samples import SampleLoader, SampleSpec, to_absolute_actions, to_delta_actions
-from embodied_jax.data.stats import (FeatureStats, Normalizer, NormStats, QuantileSketch, compute_stats, iter_values,
-                                     normalize, unnormalize)
+from embodied_jax.data.stats import (
+    FeatureStats,
+    Normalizer,
+    NormStats,
+    QuantileSketch,
+    compute_stats,
+    iter_values,
+    normalize,
+    unnormalize,
+)
 from embodied_jax.data.synthetic import decode_frame_id, make_episodes
-from embodied_jax.data.transforms import AugmentConfig, ImageTransform, resize_with_pad, to_float
+from embodied_jax.data.transforms import AugmentConfig, ImageTransform
 from embodied_jax.data.writer import write_lerobot_dataset
+from embodied_jax.nn.image import resize_with_pad, to_unit_range
 
 FPS = 10
 
@@ -18,8 +28,7 @@ FPS = 10
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     episodes = make_episodes([6, 9], cameras=("front",), state_dim=3, action_dim=3)
-    root = write_lerobot_dataset(tmp_path_factory.mktemp("ds"), episodes, fps=FPS, version="v3.0",
-                                 image_storage="png")
+    root = write_lerobot_dataset(tmp_path_factory.mktemp("ds"), episodes, fps=FPS, version="v3.0", image_storage="png")
     return LeRobotDataset(root), episodes
 
 
@@ -41,8 +50,10 @@ def test_action_chunk_pads_at_episode_end(dataset):
 
 def test_history_from_delta_timestamps(dataset):
     ds, episodes = dataset
-    spec = SampleSpec(action_horizon=2, delta_timestamps={"observation.state": (-0.2, -0.1, 0.0),
-                                                         "observation.images.front": (-0.1, 0.0)})
+    spec = SampleSpec(
+        action_horizon=2,
+        delta_timestamps={"observation.state": (-0.2, -0.1, 0.0), "observation.images.front": (-0.1, 0.0)},
+    )
     sample = SampleLoader(ds, spec).sample(1, 1)
     state = episodes[1]["observation.state"]
     np.testing.assert_array_equal(sample["observation.state"], state[[0, 0, 1]])
@@ -66,8 +77,14 @@ def test_delta_actions(dataset):
 
 def _stats(values):
     values = np.asarray(values, np.float64)
-    return FeatureStats(mean=values.mean(0), std=values.std(0), min=values.min(0), max=values.max(0), count=len(values),
-                        quantiles={"q01": np.quantile(values, 0.01, axis=0), "q99": np.quantile(values, 0.99, axis=0)})
+    return FeatureStats(
+        mean=values.mean(0),
+        std=values.std(0),
+        min=values.min(0),
+        max=values.max(0),
+        count=len(values),
+        quantiles={"q01": np.quantile(values, 0.01, axis=0), "q99": np.quantile(values, 0.99, axis=0)},
+    )
 
 
 def test_normalisation_modes_and_inverse():
@@ -75,7 +92,9 @@ def test_normalisation_modes_and_inverse():
     values = rng.normal(3.0, 2.0, size=(1000, 4)).astype(np.float32)
     stats = _stats(values)
     x = values[::5]
-    np.testing.assert_allclose(normalize(x, stats, "mean_std"), (x - values.mean(0)) / values.std(0), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        normalize(x, stats, "mean_std"), (x - values.mean(0)) / values.std(0), rtol=1e-4, atol=1e-5
+    )
     lo, hi = values.min(0), values.max(0)
     np.testing.assert_allclose(normalize(x, stats, "min_max"), 2 * (x - lo) / (hi - lo) - 1, atol=1e-5)
     q01, q99 = np.quantile(values, 0.01, axis=0), np.quantile(values, 0.99, axis=0)
@@ -154,7 +173,7 @@ def test_image_transforms_are_seeded():
     padded = resize_with_pad(image, 32, 32)
     assert padded.shape == (32, 32, 3)
     assert not padded[:4].any() and not padded[-4:].any()  # 48x64 -> 24x32 centred: 4 black rows top and bottom
-    float_image = to_float(padded)
+    float_image = to_unit_range(padded)
     assert float_image.dtype == np.float32 and float_image.min() >= -1 and float_image.max() <= 1
     transform = ImageTransform(cameras=("cam",), size=(32, 32), augment=AugmentConfig())
     a = transform({"cam": image}, np.random.default_rng(7))["cam"]
@@ -163,4 +182,4 @@ def test_image_transforms_are_seeded():
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     plain = ImageTransform(cameras=("cam",), size=(32, 32))({"cam": image})["cam"]
-    np.testing.assert_array_equal(plain, to_float(padded))
+    np.testing.assert_array_equal(plain, to_unit_range(padded))

@@ -1,8 +1,12 @@
 """The end-to-end path on a tiny scale: collect -> train -> policy bundle -> closed-loop eval -> JSON."""
+
 from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -18,7 +22,11 @@ def demo_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("demo")
     base = demo_config(image_size=IMAGE)
     config = dataclasses.replace(
-        base, episodes=6, eval_envs=8, num_videos=1, workdir=str(workdir),
+        base,
+        episodes=6,
+        eval_envs=8,
+        num_videos=1,
+        workdir=str(workdir),
         model=dataclasses.replace(base.model, num_inference_steps=2),  # plumbing, not success: cheap sampling
         train=TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=4),  # in-training eval at the end
         checkpoint=CheckpointConfig(save_every=4, keep_last=1, async_save=False),
@@ -55,11 +63,7 @@ def test_policy_bundle_predicts_unnormalised_actions(demo_run):
 
     bundle = load_policy(demo_run)
     assert bundle.step == 4
-    dataset = LeRobotDataset(demo_run / "dataset")
-    frame = dataset.frame(0, 0)
-    raw = {"observation.state": frame["observation.state"][None], "task": frame["task"],
-           "observation.images.scene": frame["observation.images.scene"][None],
-           "observation.images.wrist": frame["observation.images.wrist"][None]}
+    raw = _raw_observation(LeRobotDataset(demo_run / "dataset").frame(0, 0))
     actions = bundle.predict(raw)
     assert actions.shape == (1, bundle.config.model.action_horizon, 4)
     assert np.isfinite(actions).all()
@@ -72,6 +76,92 @@ def test_policy_bundle_predicts_unnormalised_actions(demo_run):
     assert obs["tokens"].shape == (1, bundle.config.model.max_token_len) and obs["token_mask"][0, 0]
 
 
+def _raw_observation(frame: dict) -> dict:
+    return {
+        "observation.state": frame["observation.state"][None],
+        "task": frame["task"],
+        "observation.images.scene": frame["observation.images.scene"][None],
+        "observation.images.wrist": frame["observation.images.wrist"][None],
+    }
+
+
+def test_serving_applies_the_pipelines_sample_transform(demo_run):
+    """The bundle's preprocessing of a robot observation equals what the training pipeline made of the same frame."""
+    import grain
+
+    from embodied_jax import load_policy
+    from embodied_jax.data.lerobot import LeRobotDataset
+    from embodied_jax.data.pipeline import build_dataset
+    from embodied_jax.data.samples import SampleLoader
+
+    bundle = load_policy(demo_run)
+    data = bundle.config.data
+    samples, _, _ = build_dataset(
+        data.data,
+        process_index=0,
+        process_count=1,
+        seed=0,
+        inputs=data.inputs,
+        builder=bundle.config.model.input_builder(),
+        stats=bundle.stats,
+    )
+    dataset = LeRobotDataset(demo_run / "dataset")
+    order = grain.MapDataset.range(dataset.num_frames).shuffle(seed=0)  # the pipeline's order of its one source
+    for record in (0, 5):
+        trained = samples[record]
+        raw = SampleLoader(dataset, data.data.spec)(order[record])
+        served = bundle.preprocess(_raw_observation(raw))
+        assert set(served) == set(trained) - {"actions", "action_dim_mask"}
+        for key, value in served.items():
+            if isinstance(value, dict):
+                for cam, image in value.items():
+                    np.testing.assert_array_equal(image[0], trained[key][cam], err_msg=f"{key}/{cam}")
+            else:
+                np.testing.assert_array_equal(value[0], trained[key], err_msg=key)
+
+
+def test_predict_draws_fresh_noise_unless_given_an_rng(demo_run):
+    import jax
+
+    from embodied_jax import load_policy
+    from embodied_jax.data.lerobot import LeRobotDataset
+
+    bundle = load_policy(demo_run)
+    raw = _raw_observation(LeRobotDataset(demo_run / "dataset").frame(0, 0))
+    first, second = bundle.predict(raw), bundle.predict(raw)
+    assert not np.allclose(first, second)
+    key = jax.random.key(7)
+    np.testing.assert_array_equal(bundle.predict(raw, rng=key), bundle.predict(raw, rng=key))
+
+
+def test_a_checkpoint_loads_where_experiments_cannot_be_imported(demo_run, subprocess_env, tmp_path):
+    """The demo's checkpoint names only library configs: ``load_policy`` needs no experiment code."""
+    script = tmp_path / "load.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+
+        class NoExperiments:
+            def find_spec(self, name, path=None, target=None):
+                if name == "experiments" or name.startswith("experiments."):
+                    raise ImportError(f"{{name}} is not importable here")
+                return None
+
+        sys.meta_path.insert(0, NoExperiments())
+        import embodied_jax
+
+        bundle = embodied_jax.load_policy({str(demo_run)!r})
+        assert "experiments" not in sys.modules
+        print(type(bundle.config).__name__, type(bundle.config.model).__name__, bundle.step)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], env=subprocess_env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ExperimentConfig", "Pi05Config", "4"]
+
+
 def test_gr00t_demo_prompts_tokenize_without_unknown_words(tmp_path):
     """``demo_gr00t``: its word-level tokenizer covers the Eagle prompt of every built-in task, and the
     config's image-token id, vocabulary and prompt length agree with it."""
@@ -81,12 +171,13 @@ def test_gr00t_demo_prompts_tokenize_without_unknown_words(tmp_path):
     config = demo_config(arch="gr00t")
     model = dataclasses.replace(config.model, tokenizer_path=str(build_gr00t_tokenizer(tmp_path / "tokenizer.json")))
     builder = model.input_builder()  # checks the special tokens and the <IMG_CONTEXT> id
-    assert builder.tokenizer.vocab_size == model.vocab_size
+    assert builder.tokenizer.vocab_size == model.llm.vocab_size
     for task in TASKS.values():
         tokens, mask = builder.tokenize(task.instruction)
         ids = tokens[mask]
         assert (ids != 0).all(), task.name  # id 0 is [UNK]
-        assert (ids == model.image_token_id).sum() == len(GR00T_CAMERAS) * model.image_tokens
+        assert (ids == model.image_token_id).sum() == len(GR00T_CAMERAS) * model.vision.num_patches
     assert config.data.data.norm_modes == (("observation.state", "min_max"), ("action", "min_max"))
+    assert config.tokenizer == "qwen3_words"
     with pytest.raises(ValueError, match="arch"):
         demo_config(arch="rt2")

@@ -6,6 +6,7 @@ checkpoint made by the weight converter (upstream safetensors of a random tiny m
 ``models.convert.to_orbax``) -> 2 training steps with checkpointing. Checked against the
 dataset (NumPy statistics) and the converted weights, not against the code under test.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,10 +73,19 @@ def _finetune(base, model, dataset, workdir, init_from):
     """The registered experiment with the tiny model and dataset swapped in, 2 steps, test-friendly I/O."""
     data = base.data
     config = dataclasses.replace(
-        base, model=model, init_from=init_from, workdir=str(workdir),
-        data=dataclasses.replace(data, data=dataclasses.replace(
-            data.data, sources=(SourceConfig(str(dataset)),), image_size=(IMAGE, IMAGE),
-            spec=dataclasses.replace(data.data.spec, action_horizon=HORIZON))),
+        base,
+        model=model,
+        init_from=init_from,
+        workdir=str(workdir),
+        data=dataclasses.replace(
+            data,
+            data=dataclasses.replace(
+                data.data,
+                sources=(SourceConfig(str(dataset)),),
+                image_size=(IMAGE, IMAGE),
+                spec=dataclasses.replace(data.data.spec, action_horizon=HORIZON),
+            ),
+        ),
         train=TrainConfig(steps=2, batch_size=8, log_every=1),
         # weight decay off: a parameter without gradient keeps its value exactly
         optimizer=dataclasses.replace(base.optimizer, lr=1e-2, warmup_steps=1, weight_decay=0.0, frozen_dtype=None),
@@ -97,6 +107,7 @@ def _finetune(base, model, dataset, workdir, init_from):
 
 # ----------------------------------------------------------------------------- π0.5
 
+
 @pytest.fixture(scope="module")
 def pi05_run(tmp_path_factory):
     import sentencepiece as spm
@@ -110,15 +121,28 @@ def pi05_run(tmp_path_factory):
     write_lerobot_dataset(tmp / "dataset", episodes, fps=10, image_storage="png")
     corpus = [f"Task: {t}, State: {' '.join(str(i) for i in range(256))};\nAction: " for t in TASKS] * 8
     sp = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=sp, vocab_size=300,
-                                   model_type="unigram", pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-                                   character_coverage=1.0, minloglevel=2, hard_vocab_limit=False)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus),
+        model_writer=sp,
+        vocab_size=300,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        character_coverage=1.0,
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
     (tmp / "tokenizer.model").write_bytes(sp.getvalue())
 
     tiny = tiny_model()
     base_model = dataclasses.replace(
-        tiny, vision=dataclasses.replace(tiny.vision, image_size=IMAGE, patch_size=14),
-        action_horizon=HORIZON, tokenizer_path=str(tmp / "tokenizer.model"))
+        tiny,
+        vision=dataclasses.replace(tiny.vision, image_size=IMAGE, patch_size=14),
+        action_horizon=HORIZON,
+        tokenizer_path=str(tmp / "tokenizer.model"),
+    )
     init_from, exported = _converted(base_model, PI05_LAYOUT, tmp)
     model = dataclasses.replace(base_model, lora_rank=4, lora_alpha=8.0)
     losses, state, stats = _finetune(pi05_finetune(), model, tmp / "dataset", tmp / "run", init_from)
@@ -149,16 +173,32 @@ def test_pi05_finetune_checkpoint_has_quantile_stats(pi05_run):
     assert set(stats) == {"observation.state", "action"}
     for key in stats:
         values = _all(episodes, key)
-        np.testing.assert_allclose(np.asarray(stats[key]["q01"]).reshape(-1), np.quantile(values, 0.01, axis=0),
-                                   rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(stats[key]["q99"]).reshape(-1), np.quantile(values, 0.99, axis=0),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(stats[key]["q01"]).reshape(-1), np.quantile(values, 0.01, axis=0), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            np.asarray(stats[key]["q99"]).reshape(-1), np.quantile(values, 0.99, axis=0), rtol=1e-5, atol=1e-6
+        )
 
 
 # ----------------------------------------------------------------------------- GR00T
 
-GR00T_WORDS = ["[UNK]", "system", "You", "are", "a", "helpful", "assistant", ".", "user", "<", "image", "1", ">",
-               *sorted({w for t in TASKS for w in t.split()})]
+GR00T_WORDS = [
+    "[UNK]",
+    "system",
+    "You",
+    "are",
+    "a",
+    "helpful",
+    "assistant",
+    ".",
+    "user",
+    "<",
+    "image",
+    "1",
+    ">",
+    *sorted({w for t in TASKS for w in t.split()}),
+]
 GR00T_SPECIALS = ["<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<|endoftext|>"]
 MODALITY = {
     "state": {"arm": {"start": 0, "end": 4}, "gripper": {"start": 4, "end": 5}},
@@ -188,12 +228,19 @@ def gr00t_run(tmp_path_factory):
     base = gr00t_finetune()
     assert base.model.embodiment_id == 31 and not base.model.tune_visual and not base.model.tune_llm
     model = dataclasses.replace(
-        TINY_MODEL, image_size=IMAGE, max_token_len=40, action_horizon=HORIZON,
+        TINY_MODEL,
+        vision=dataclasses.replace(TINY_MODEL.vision, image_size=IMAGE),
+        max_token_len=40,
+        action_horizon=HORIZON,
         image_token_id=len(GR00T_WORDS) + GR00T_SPECIALS.index("<IMG_CONTEXT>"),
-        max_num_embodiments=32, embodiment_id=base.model.embodiment_id,
-        tune_visual=base.model.tune_visual, tune_llm=base.model.tune_llm,
-        tune_projector=base.model.tune_projector, tune_diffusion_model=base.model.tune_diffusion_model,
-        tokenizer_path=str(tmp / "tokenizer.json"))
+        action_head=dataclasses.replace(TINY_MODEL.action_head, max_num_embodiments=32),
+        embodiment_id=base.model.embodiment_id,
+        tune_visual=base.model.tune_visual,
+        tune_llm=base.model.tune_llm,
+        tune_projector=base.model.tune_projector,
+        tune_diffusion_model=base.model.tune_diffusion_model,
+        tokenizer_path=str(tmp / "tokenizer.json"),
+    )
     init_from, exported = _converted(model, make_layout("lerobot"), tmp)
     losses, state, stats = _finetune(base, model, tmp / "dataset", tmp / "run", init_from)
     return dict(episodes=episodes, losses=losses, state=state, stats=stats, exported=exported)
@@ -219,8 +266,11 @@ def test_gr00t_finetune_freezes_the_backbone_as_upstream(gr00t_run):
 
 def test_gr00t_finetune_uses_the_new_embodiment_slot(gr00t_run):
     trainable, exported = _leaves(gr00t_run["state"].params), gr00t_run["exported"]
-    for name in ("action_head/state_encoder/layer1/W", "action_head/action_decoder/layer2/W",
-                 "action_head/action_encoder/W1/W"):
+    for name in (
+        "action_head/state_encoder/layer1/W",
+        "action_head/action_decoder/layer2/W",
+        "action_head/action_encoder/W1/W",
+    ):
         diff = np.abs(trainable[name] - exported[name]).reshape(32, -1).max(axis=1)
         assert diff[31] > 0, name
         assert np.all(diff[:31] == 0), (name, np.nonzero(diff[:31]))

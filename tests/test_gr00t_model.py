@@ -1,4 +1,5 @@
 """GR00T-N1.5 policy on an 8-device CPU mesh: training step pieces, packing, embodiment slots, freezing."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,19 +10,37 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from embodied_jax.models.gr00t import Gr00tConfig, freeze_regexes
 from embodied_jax.data.packing import PackingConfig, pack_samples
+from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
+from embodied_jax.models.gr00t import Gr00tConfig, freeze_regexes
+from embodied_jax.models.gr00t_action_head import ActionHeadConfig
 from embodied_jax.models.gr00t_inputs import packed_sample
+from embodied_jax.models.qwen3 import Qwen3Config
+from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import batch_shardings, mesh_context
 
 TINY = Gr00tConfig(
-    image_size=28, patch_size=14, vision_width=32, vision_layers=2, vision_heads=2, vision_mlp_dim=64,
-    cameras=("front",), llm_width=64, llm_layers=3, select_layer=2, llm_heads=4, llm_kv_heads=2, llm_head_dim=16,
-    llm_mlp_dim=96, vocab_size=128, image_token_id=127, max_token_len=40, action_dim=6, action_horizon=4,
-    max_state_dim=8, hidden_size=24, input_embedding_dim=32, max_num_embodiments=4, num_future_tokens=2,
-    max_seq_len=8, dit_layers=2, dit_heads=2, dit_head_dim=16, dit_output_dim=24, vl_layers=1, vl_heads=4,
-    vl_head_dim=16, dit_dropout=0.1, vl_dropout=0.1, compute_dtype="float32", attention_impl="xla",
+    vision=SiglipConfig(width=32, depth=2, num_heads=2, mlp_dim=64, patch_size=14, image_size=28),
+    llm=Qwen3Config(width=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96, vocab_size=128),
+    select_layer=2,
+    image_token_id=127,
+    camera_names=("front",),
+    max_token_len=40,
+    action_head=ActionHeadConfig(
+        hidden_size=24,
+        input_embedding_dim=32,
+        max_num_embodiments=4,
+        num_future_tokens=2,
+        max_seq_len=8,
+        dit=DiTConfig(num_layers=2, num_heads=2, head_dim=16, output_dim=24, dropout=0.1),
+        vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=16, dropout=0.1),
+    ),
+    action_dim=6,
+    action_horizon=4,
+    max_state_dim=8,
+    dtype="float32",
+    attention_impl="xla",
     synthetic_text_tokens=(8, 10),
 )
 
@@ -65,10 +84,12 @@ def test_loss_gradients_and_sampling_on_mesh(model, train_outputs):
     assert int(metrics["tokens"]) == int(batch["token_mask"].sum())
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
-    for path in (("backbone", "eagle_model", "vision_model", "encoder", "layers", "mlp", "fc1", "kernel"),
-                 ("backbone", "eagle_model", "language_model", "layers", "self_attn", "q_proj", "kernel"),
-                 ("action_head", "model", "transformer_blocks", "cross_block", "attn1", "to_k", "kernel"),
-                 ("action_head", "future_tokens", "embedding")):
+    for path in (
+        ("backbone", "eagle_model", "vision_model", "encoder", "layers", "mlp", "fc1", "kernel"),
+        ("backbone", "eagle_model", "language_model", "layers", "self_attn", "q_proj", "kernel"),
+        ("action_head", "model", "transformer_blocks", "cross_block", "attn1", "to_k", "kernel"),
+        ("action_head", "future_tokens", "embedding"),
+    ):
         g = nnx.state(grads, nnx.Param)
         for key in path:
             g = g[key]
@@ -92,8 +113,13 @@ def test_embodiment_gradients_land_only_in_used_slots(train_outputs):
 
 
 def _pack(batch, row_len):
-    samples = [packed_sample({k: (v[i] if not isinstance(v, dict) else {c: x[i] for c, x in v.items()})
-                              for k, v in batch.items()}, TINY.cameras) for i in range(len(batch["tokens"]))]
+    samples = [
+        packed_sample(
+            {k: (v[i] if not isinstance(v, dict) else {c: x[i] for c, x in v.items()}) for k, v in batch.items()},
+            TINY.camera_names,
+        )
+        for i in range(len(batch["tokens"]))
+    ]
     config = PackingConfig(seq_len=row_len, max_samples_per_row=3, max_images_per_row=3)
     return pack_samples(samples, config, num_rows=2)
 
@@ -107,8 +133,7 @@ def test_packed_equals_unpacked_and_samples_are_isolated(model, mesh):
     slots = [0, 1, 2, 3]  # sample order in the R·M = 6 slots: rows [0, 1, -], [2, 3, -]
     flat = np.array([0, 1, 0, 2, 3, 0])
     with mesh_context(mesh):
-        losses = nnx.jit(lambda m, b, n, t: m.per_sample_losses(b, jax.random.key(0), noise=n, time=t,
-                                                                dropout=False))
+        losses = nnx.jit(lambda m, b, n, t: m.per_sample_losses(b, jax.random.key(0), noise=n, time=t, dropout=False))
         unpacked_err, counts = losses(model, batch, noise, time)
         packed_err, packed_counts = losses(model, packed, noise[flat], time[flat])
         real = np.array([0, 1, 3, 4])
@@ -150,8 +175,10 @@ def _frozen(paths, cfg):
     return sum(n for p, n in paths.items() if any(re.search(r, p) for r in patterns))
 
 
-@pytest.mark.parametrize("switch, size", [("tune_visual", VISION_AND_MLP1), ("tune_llm", LLM),
-                                          ("tune_projector", PROJECTOR), ("tune_diffusion_model", DIT)])
+@pytest.mark.parametrize(
+    "switch, size",
+    [("tune_visual", VISION_AND_MLP1), ("tune_llm", LLM), ("tune_projector", PROJECTOR), ("tune_diffusion_model", DIT)],
+)
 def test_each_freezing_switch_selects_the_upstream_set(full_param_paths, switch, size):
     all_on = dict(tune_visual=True, tune_llm=True, tune_projector=True, tune_diffusion_model=True)
     assert _frozen(full_param_paths, Gr00tConfig(**all_on)) == 0
@@ -179,3 +206,28 @@ def test_lora_freezes_dit_base_weights_only():
     assert not any(re.search(r, p) for r in patterns for p in lora)
     dit_base = [p for p in paths if p.startswith("action_head/model/") and p not in lora]
     assert all(any(re.search(r, p) for r in patterns) for p in dit_base)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(select_layer=4), r"Gr00tConfig\.select_layer=4 must be in \[1, llm\.num_layers=3\]"),
+        (dict(image_token_id=128), r"Gr00tConfig\.image_token_id=128 >= llm\.vocab_size=128"),
+        (
+            dict(llm=dataclasses.replace(TINY.llm, width=48)),
+            r"Gr00tConfig\.action_head\.vl_self_attention\.num_heads \* head_dim = 64 must equal llm\.width=48",
+        ),
+        (
+            dict(action_head=dataclasses.replace(TINY.action_head, hidden_size=16)),
+            r"Gr00tConfig\.action_head\.dit\.output_dim=24 must equal action_head\.hidden_size=16",
+        ),
+        (
+            dict(action_head=dataclasses.replace(TINY.action_head, input_embedding_dim=48)),
+            r"Gr00tConfig\.action_head\.dit\.num_heads \* head_dim = 32 must equal action_head\.input_embedding_dim=48",
+        ),
+        (dict(action_horizon=9), r"Gr00tConfig\.action_horizon=9 > action_head\.max_seq_len=8"),
+    ],
+)
+def test_config_errors_name_the_nested_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(TINY, **change)

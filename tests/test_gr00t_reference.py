@@ -7,6 +7,7 @@ here from the upstream code's formulas (HF SigLIP / Qwen3, Eagle placeholder fil
 diffusers DiT blocks, GR00T's action head). ``mask_vl_padding=False`` is upstream's
 behaviour; ``True`` is checked against the same reference with padded VL keys removed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,20 +19,42 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
+from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.gr00t import Gr00tConfig
+from embodied_jax.models.gr00t_action_head import ActionHeadConfig
+from embodied_jax.models.qwen3 import Qwen3Config
+from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.models.weights.gr00t_n15 import import_params
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
 
 CFG = Gr00tConfig(
-    image_size=28, patch_size=14, vision_width=16, vision_layers=2, vision_heads=2, vision_mlp_dim=24,
-    cameras=("front", "wrist"), llm_width=32, llm_layers=3, select_layer=2, llm_heads=4, llm_kv_heads=2,
-    llm_head_dim=8, llm_mlp_dim=40, vocab_size=64, image_token_id=63, rope_theta=10_000.0, max_token_len=36,
-    action_dim=5, action_horizon=3, max_state_dim=6, hidden_size=12, input_embedding_dim=16,
-    max_num_embodiments=3, num_future_tokens=2, max_seq_len=8, dit_layers=4, dit_heads=2, dit_head_dim=8,
-    dit_output_dim=12, dit_dropout=0.0, vl_layers=1, vl_heads=4, vl_head_dim=8, vl_dropout=0.0,
-    mask_vl_padding=False, param_dtype="float32", compute_dtype="float32", attention_impl="xla",
-    scan_layers=True, synthetic_text_tokens=(2, 4),
+    vision=SiglipConfig(width=16, depth=2, num_heads=2, mlp_dim=24, patch_size=14, image_size=28),
+    llm=Qwen3Config(
+        width=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=40, vocab_size=64, rope_theta=10_000.0
+    ),
+    select_layer=2,
+    image_token_id=63,
+    camera_names=("front", "wrist"),
+    max_token_len=36,
+    action_head=ActionHeadConfig(
+        hidden_size=12,
+        input_embedding_dim=16,
+        max_num_embodiments=3,
+        num_future_tokens=2,
+        max_seq_len=8,
+        dit=DiTConfig(num_layers=4, num_heads=2, head_dim=8, output_dim=12, dropout=0.0),
+        vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=8, dropout=0.0),
+    ),
+    action_dim=5,
+    action_horizon=3,
+    max_state_dim=6,
+    mask_vl_padding=False,
+    param_dtype="float32",
+    dtype="float32",
+    attention_impl="xla",
+    scan_layers=True,
+    synthetic_text_tokens=(2, 4),
 )
 P = "_groot_model."
 
@@ -54,46 +77,47 @@ def upstream_state_dict(cfg: Gr00tConfig, seed: int = 0) -> dict[str, np.ndarray
         if bias:
             t(name + ".bias", d, scale=0.1)
 
-    v, d = "backbone.eagle_model.vision_model.vision_model.", cfg.vision_width
-    t(v + "embeddings.patch_embedding.weight", d, 3, cfg.patch_size, cfg.patch_size, scale=0.1)
+    v, d = "backbone.eagle_model.vision_model.vision_model.", cfg.vision.width
+    t(v + "embeddings.patch_embedding.weight", d, 3, cfg.vision.patch_size, cfg.vision.patch_size, scale=0.1)
     t(v + "embeddings.patch_embedding.bias", d, scale=0.1)
-    t(v + "embeddings.position_embedding.weight", cfg.image_tokens, d)
-    for i in range(cfg.vision_layers):
+    t(v + "embeddings.position_embedding.weight", cfg.vision.num_patches, d)
+    for i in range(cfg.vision.depth):
         e = f"{v}encoder.layers.{i}."
         ln(e + "layer_norm1", d)
         ln(e + "layer_norm2", d)
         for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
             lin(e + "self_attn." + n, d, d)
-        lin(e + "mlp.fc1", d, cfg.vision_mlp_dim)
-        lin(e + "mlp.fc2", cfg.vision_mlp_dim, d)
+        lin(e + "mlp.fc1", d, cfg.vision.mlp_dim)
+        lin(e + "mlp.fc2", cfg.vision.mlp_dim, d)
     ln(v + "post_layernorm", d)
     # the unused SigLIP pooling head (on the importer's ignore list)
     t(v + "head.probe", 1, 1, d)
-    lin(v + "head.mlp.fc1", d, cfg.vision_mlp_dim)
-    lin("backbone.eagle_model.mlp1.0", d, cfg.llm_width)
-    lm, w = "backbone.eagle_model.language_model.", cfg.llm_width
-    t(lm + "lm_head.weight", cfg.vocab_size, w, scale=1.0)
-    hd = cfg.llm_head_dim
+    lin(v + "head.mlp.fc1", d, cfg.vision.mlp_dim)
+    lin("backbone.eagle_model.mlp1.0", d, cfg.llm.width)
+    lm, w = "backbone.eagle_model.language_model.", cfg.llm.width
+    t(lm + "lm_head.weight", cfg.llm.vocab_size, w, scale=1.0)
+    hd = cfg.llm.head_dim
     for i in range(cfg.select_layer):
         e = f"{lm}model.layers.{i}."
-        lin(e + "self_attn.q_proj", w, cfg.llm_heads * hd, bias=False)
-        lin(e + "self_attn.k_proj", w, cfg.llm_kv_heads * hd, bias=False)
-        lin(e + "self_attn.v_proj", w, cfg.llm_kv_heads * hd, bias=False)
-        lin(e + "self_attn.o_proj", cfg.llm_heads * hd, w, bias=False)
+        lin(e + "self_attn.q_proj", w, cfg.llm.num_heads * hd, bias=False)
+        lin(e + "self_attn.k_proj", w, cfg.llm.num_kv_heads * hd, bias=False)
+        lin(e + "self_attn.v_proj", w, cfg.llm.num_kv_heads * hd, bias=False)
+        lin(e + "self_attn.o_proj", cfg.llm.num_heads * hd, w, bias=False)
         ln(e + "self_attn.q_norm", hd, bias=False)
         ln(e + "self_attn.k_norm", hd, bias=False)
-        lin(e + "mlp.gate_proj", w, cfg.llm_mlp_dim, bias=False)
-        lin(e + "mlp.up_proj", w, cfg.llm_mlp_dim, bias=False)
-        lin(e + "mlp.down_proj", cfg.llm_mlp_dim, w, bias=False)
+        lin(e + "mlp.gate_proj", w, cfg.llm.mlp_dim, bias=False)
+        lin(e + "mlp.up_proj", w, cfg.llm.mlp_dim, bias=False)
+        lin(e + "mlp.down_proj", cfg.llm.mlp_dim, w, bias=False)
         ln(e + "input_layernorm", w, bias=False)
         ln(e + "post_attention_layernorm", w, bias=False)
     ln(lm + "model.norm", w, bias=False)
-    a, inner, emb = "action_head.", cfg.dit_heads * cfg.dit_head_dim, cfg.input_embedding_dim
+    head, dit, vl = cfg.action_head, cfg.action_head.dit, cfg.action_head.vl_self_attention
+    a, inner, emb = "action_head.", dit.num_heads * dit.head_dim, head.input_embedding_dim
     lin(a + "model.timestep_encoder.timestep_embedder.linear_1", 256, inner)
     lin(a + "model.timestep_encoder.timestep_embedder.linear_2", inner, inner)
-    for i in range(cfg.dit_layers):
+    for i in range(dit.num_layers):
         e = f"{a}model.transformer_blocks.{i}."
-        kv_in = cfg.llm_width if i % 2 == 0 else inner
+        kv_in = cfg.llm.width if i % 2 == 0 else inner
         lin(e + "norm1.linear", inner, 2 * inner)
         lin(e + "attn1.to_q", inner, inner)
         lin(e + "attn1.to_k", kv_in, inner)
@@ -102,9 +126,9 @@ def upstream_state_dict(cfg: Gr00tConfig, seed: int = 0) -> dict[str, np.ndarray
         lin(e + "ff.net.0.proj", inner, 4 * inner)
         lin(e + "ff.net.2", 4 * inner, inner)
     lin(a + "model.proj_out_1", inner, 2 * inner)
-    lin(a + "model.proj_out_2", inner, cfg.dit_output_dim)
-    vw = cfg.vl_heads * cfg.vl_head_dim
-    for i in range(cfg.vl_layers):
+    lin(a + "model.proj_out_2", inner, dit.output_dim)
+    vw = vl.num_heads * vl.head_dim
+    for i in range(vl.num_layers):
         e = f"{a}vl_self_attention.transformer_blocks.{i}."
         ln(e + "norm1", vw)
         ln(e + "norm3", vw)
@@ -112,22 +136,22 @@ def upstream_state_dict(cfg: Gr00tConfig, seed: int = 0) -> dict[str, np.ndarray
             lin(e + "attn1." + n, vw, vw)
         lin(e + "ff.net.0.proj", vw, 4 * vw)
         lin(e + "ff.net.2", 4 * vw, vw)
-    s = cfg.max_num_embodiments
+    s = head.max_num_embodiments
 
     def cat(name, n_in, n_out):
         t(name + ".W", s, n_in, n_out, scale=1.0 / math.sqrt(n_in))
         t(name + ".b", s, n_out, scale=0.1)
 
-    cat(a + "state_encoder.layer1", cfg.max_state_dim, cfg.hidden_size)
-    cat(a + "state_encoder.layer2", cfg.hidden_size, emb)
+    cat(a + "state_encoder.layer1", cfg.max_state_dim, head.hidden_size)
+    cat(a + "state_encoder.layer2", head.hidden_size, emb)
     cat(a + "action_encoder.W1", cfg.action_dim, emb)
     cat(a + "action_encoder.W2", 2 * emb, emb)
     cat(a + "action_encoder.W3", emb, emb)
-    cat(a + "action_decoder.layer1", cfg.hidden_size, cfg.hidden_size)
-    cat(a + "action_decoder.layer2", cfg.hidden_size, cfg.action_dim)
-    t(a + "future_tokens.weight", cfg.num_future_tokens, emb)
-    ln(a + "vlln", cfg.llm_width)
-    t(a + "position_embedding.weight", cfg.max_seq_len, emb)
+    cat(a + "action_decoder.layer1", head.hidden_size, head.hidden_size)
+    cat(a + "action_decoder.layer2", head.hidden_size, cfg.action_dim)
+    t(a + "future_tokens.weight", head.num_future_tokens, emb)
+    ln(a + "vlln", cfg.llm.width)
+    t(a + "position_embedding.weight", head.max_seq_len, emb)
     return sd
 
 
@@ -165,7 +189,7 @@ def mha(q, k, v, mask):
 
 class Reference:
     def __init__(self, sd, cfg: Gr00tConfig, mask_vl_padding: bool):
-        self.sd = {k[len(P):]: v.astype(np.float64) for k, v in sd.items()}
+        self.sd = {k[len(P) :]: v.astype(np.float64) for k, v in sd.items()}
         self.cfg, self.mask = cfg, mask_vl_padding
 
     def lin(self, name, x):
@@ -177,14 +201,14 @@ class Reference:
 
     def siglip(self, image):
         cfg, v = self.cfg, "backbone.eagle_model.vision_model.vision_model."
-        p, g = cfg.patch_size, cfg.image_size // cfg.patch_size
+        p, g = cfg.vision.patch_size, cfg.vision.image_size // cfg.vision.patch_size
         patches = image.reshape(g, p, g, p, 3).transpose(0, 2, 4, 1, 3).reshape(g * g, -1)  # (c, a, b) order
-        w = self.sd[v + "embeddings.patch_embedding.weight"].reshape(cfg.vision_width, -1)
+        w = self.sd[v + "embeddings.patch_embedding.weight"].reshape(cfg.vision.width, -1)
         x = patches @ w.T + self.sd[v + "embeddings.patch_embedding.bias"]
         x = x + self.sd[v + "embeddings.position_embedding.weight"]
-        heads, hd = cfg.vision_heads, cfg.vision_width // cfg.vision_heads
+        heads, hd = cfg.vision.num_heads, cfg.vision.width // cfg.vision.num_heads
         full = np.ones((len(x), len(x)), bool)
-        for i in range(cfg.vision_layers):
+        for i in range(cfg.vision.depth):
             e = f"{v}encoder.layers.{i}."
             h = self.ln(e + "layer_norm1", x, 1e-6)
             q, k, vv = (self.lin(e + f"self_attn.{n}_proj", h).reshape(len(x), heads, hd) for n in "qkv")
@@ -195,10 +219,10 @@ class Reference:
 
     def rope(self, x, positions):
         hd = x.shape[-1]
-        inv = 1.0 / self.cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+        inv = 1.0 / self.cfg.llm.rope_theta ** (np.arange(0, hd, 2) / hd)
         ang = positions[:, None] * inv[None]
         cos, sin = np.concatenate([np.cos(ang)] * 2, -1)[:, None], np.concatenate([np.sin(ang)] * 2, -1)[:, None]
-        rotated = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        rotated = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
         return x * cos + rotated * sin
 
     def qwen3(self, emb, token_mask):
@@ -210,9 +234,9 @@ class Reference:
         for i in range(cfg.select_layer):
             e = f"{lm}layers.{i}."
             h = rms_norm(x, self.sd[e + "input_layernorm.weight"])
-            q = self.lin(e + "self_attn.q_proj", h).reshape(n, cfg.llm_heads, -1)
-            k = self.lin(e + "self_attn.k_proj", h).reshape(n, cfg.llm_kv_heads, -1)
-            vv = self.lin(e + "self_attn.v_proj", h).reshape(n, cfg.llm_kv_heads, -1)
+            q = self.lin(e + "self_attn.q_proj", h).reshape(n, cfg.llm.num_heads, -1)
+            k = self.lin(e + "self_attn.k_proj", h).reshape(n, cfg.llm.num_kv_heads, -1)
+            vv = self.lin(e + "self_attn.v_proj", h).reshape(n, cfg.llm.num_kv_heads, -1)
             q = self.rope(rms_norm(q, self.sd[e + "self_attn.q_norm.weight"]), pos)
             k = self.rope(rms_norm(k, self.sd[e + "self_attn.k_norm.weight"]), pos)
             x = x + self.lin(e + "self_attn.o_proj", mha(q, k, vv, causal))
@@ -238,11 +262,12 @@ class Reference:
 
     def vl_features(self, obs):
         cfg = self.cfg
-        images = np.stack([obs["images"][c] for c in cfg.cameras], 1).reshape(-1, cfg.image_size, cfg.image_size, 3)
+        side = cfg.vision.image_size
+        images = np.stack([obs["images"][c] for c in cfg.camera_names], 1).reshape(-1, side, side, 3)
         vit = np.stack([self.siglip(im.astype(np.float64)) for im in images])
-        vit = self.lin("backbone.eagle_model.mlp1.0", vit).reshape(-1, cfg.llm_width)
+        vit = self.lin("backbone.eagle_model.mlp1.0", vit).reshape(-1, cfg.llm.width)
         tokens = obs["tokens"]
-        emb = self.sd["backbone.eagle_model.language_model.lm_head.weight"][tokens].reshape(-1, cfg.llm_width)
+        emb = self.sd["backbone.eagle_model.language_model.lm_head.weight"][tokens].reshape(-1, cfg.llm.width)
         emb[tokens.reshape(-1) == cfg.image_token_id] = vit  # upstream Eagle: fill placeholders in order
         emb = emb.reshape(*tokens.shape, -1)
         out = []
@@ -250,8 +275,9 @@ class Reference:
             mask = obs["token_mask"][b]
             f = self.ln("action_head.vlln", self.qwen3(emb[b], mask))
             keys = mask if self.mask else np.ones_like(mask)
-            for i in range(cfg.vl_layers):
-                f = self.block(f"action_head.vl_self_attention.transformer_blocks.{i}.", f, cfg.vl_heads, keys)
+            vl = cfg.action_head.vl_self_attention
+            for i in range(vl.num_layers):
+                f = self.block(f"action_head.vl_self_attention.transformer_blocks.{i}.", f, vl.num_heads, keys)
             out.append((f, keys))
         return out
 
@@ -266,7 +292,7 @@ class Reference:
             st = np.maximum(self.cat_linear(a + "state_encoder.layer1", obs["state"][b][None], slot), 0)
             st = self.cat_linear(a + "state_encoder.layer2", st, slot)
             bucket = float(buckets[b])
-            half = cfg.input_embedding_dim // 2
+            half = cfg.action_head.input_embedding_dim // 2
             freqs = bucket * np.exp(-np.arange(half) * math.log(10000.0) / half)
             tau = np.broadcast_to(np.concatenate([np.sin(freqs), np.cos(freqs)]), (cfg.action_horizon, 2 * half))
             act = self.cat_linear(a + "action_encoder.W1", x_t[b], slot)
@@ -278,16 +304,17 @@ class Reference:
             proj = np.concatenate([np.cos(bucket * np.exp(exponent)), np.sin(bucket * np.exp(exponent))])
             te = a + "model.timestep_encoder.timestep_embedder."
             temb = self.lin(te + "linear_2", silu(self.lin(te + "linear_1", proj)))
-            for i in range(cfg.dit_layers):
+            dit = cfg.action_head.dit
+            for i in range(dit.num_layers):
                 e = f"{a}model.transformer_blocks.{i}."
                 if i % 2 == 0:
-                    x = self.block(e, x, cfg.dit_heads, keys, temb, context=features)
+                    x = self.block(e, x, dit.num_heads, keys, temb, context=features)
                 else:
-                    x = self.block(e, x, cfg.dit_heads, np.ones(len(x), bool), temb)
+                    x = self.block(e, x, dit.num_heads, np.ones(len(x), bool), temb)
             shift, scale = np.split(self.lin(a + "model.proj_out_1", silu(temb)), 2)
             x = self.lin(a + "model.proj_out_2", layer_norm(x, eps=1e-6) * (1 + scale) + shift)
             h = np.maximum(self.cat_linear(a + "action_decoder.layer1", x, slot), 0)
-            out.append(self.cat_linear(a + "action_decoder.layer2", h, slot)[-cfg.action_horizon:])
+            out.append(self.cat_linear(a + "action_decoder.layer2", h, slot)[-cfg.action_horizon :])
         return np.stack(out)
 
     def loss(self, batch, noise, t):
@@ -317,17 +344,17 @@ def make_batch(cfg: Gr00tConfig, seed: int = 1):
     mask = np.zeros((b, length), bool)
     for i, n_text in enumerate((3, 7, 1)):
         row = [*rng.integers(0, 60, 2)]
-        for _ in cfg.cameras:
-            row += [60, *[cfg.image_token_id] * cfg.image_tokens, 61]
+        for _ in cfg.camera_names:
+            row += [60, *[cfg.image_token_id] * cfg.vision.num_patches, 61]
         row += [*rng.integers(0, 60, n_text)]
         tokens[i, : len(row)] = row
-        tokens[i, len(row):] = 62  # the pad token (attended by upstream's adapter/DiT)
+        tokens[i, len(row) :] = 62  # the pad token (attended by upstream's adapter/DiT)
         mask[i, : len(row)] = True
-    side = cfg.image_size
+    side = cfg.vision.image_size
     action_mask = np.ones((b, cfg.action_horizon, cfg.action_dim), bool)
     action_mask[1, :, 3:] = False
     return {
-        "images": {c: rng.uniform(-1, 1, (b, side, side, 3)).astype(np.float32) for c in cfg.cameras},
+        "images": {c: rng.uniform(-1, 1, (b, side, side, 3)).astype(np.float32) for c in cfg.camera_names},
         "tokens": tokens,
         "token_mask": mask,
         "state": rng.normal(size=(b, cfg.max_state_dim)).astype(np.float32),
@@ -384,6 +411,7 @@ def test_masked_vl_padding_matches_reference_without_padded_keys(setup):
     loss, _ = loss_fn(models[True], batch, noise, time)
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-5)
     # the padding matters: upstream's (unmasked) loss differs from the masked one
-    unmasked, _ = Reference(sd, CFG, mask_vl_padding=False).loss(batch, noise.astype(np.float64),
-                                                                  time.astype(np.float64))
+    unmasked, _ = Reference(sd, CFG, mask_vl_padding=False).loss(
+        batch, noise.astype(np.float64), time.astype(np.float64)
+    )
     assert abs(unmasked - want_loss) > 1e-4

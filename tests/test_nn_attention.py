@@ -1,4 +1,5 @@
 """Segment-id attention vs an independent NumPy dense-mask float32 reference."""
+
 import logging
 
 import jax
@@ -54,12 +55,12 @@ def packed_ids(rng, batch, length, structure):
             n = min(n, length - pos)
             if rng.random() < 0.15 and sid > 1:
                 break  # leave a padding tail
-            seg[b, pos:pos + n] = sid
+            seg[b, pos : pos + n] = sid
             if structure == "causal":
-                blk[b, pos:pos + n] = np.arange(n)
+                blk[b, pos : pos + n] = np.arange(n)
             elif structure == "prefix_lm":
                 cut = int(rng.integers(0, n + 1))
-                blk[b, pos + cut:pos + n] = np.arange(1, n - cut + 1) // 2 + 1
+                blk[b, pos + cut : pos + n] = np.arange(1, n - cut + 1) // 2 + 1
             pos += n
             sid += 1
     return seg, blk
@@ -100,8 +101,9 @@ def test_self_attention_packed_matches_reference(structure, heads, kv_heads):
     seg, blk = packed_ids(rng, 2, 13, structure)
     q, k, v = random_qkv(rng, 2, 13, 13, heads, kv_heads, 8)
     blk_arg = None if structure == "none" else blk
-    got = attn.attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_block_ids=blk_arg,
-                         kv_block_ids=blk_arg, impl="xla")
+    got = attn.attention(
+        q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_block_ids=blk_arg, kv_block_ids=blk_arg, impl="xla"
+    )
     assert got.shape == q.shape and got.dtype == jnp.float32
     want = reference_attention(q, k, v, seg, seg, blk, blk)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
@@ -114,8 +116,17 @@ def test_cross_attention_different_lengths_and_scale():
     q_blk = np.array([[1, 1, 0, 2, 0], [0, 1, 2, 3, 4]], np.int32)
     kv_blk = np.array([[0, 1, 2, 0, 1, 2, 0, 0, 0], [0, 0, 1, 1, 2, 2, 3, 0, 0]], np.int32)
     q, k, v = random_qkv(rng, 2, 5, 9, 4, 2, 16)
-    got = attn.attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_block_ids=q_blk,
-                         kv_block_ids=kv_blk, impl="auto", scale=0.3)
+    got = attn.attention(
+        q,
+        k,
+        v,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        q_block_ids=q_blk,
+        kv_block_ids=kv_blk,
+        impl="auto",
+        scale=0.3,
+    )
     want = reference_attention(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale=0.3)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
@@ -131,11 +142,23 @@ def test_kv_cache_suffix_equals_joint_attention():
     q, k, v = random_qkv(rng, b, p_len + s_len, p_len + s_len, n, kh, h)
     seg = np.concatenate([prefix_seg, suffix_seg], 1)
     blk = np.concatenate([prefix_blk, suffix_blk], 1)
-    cache = attn.KVCache(k=jnp.asarray(k[:, :p_len]), v=jnp.asarray(v[:, :p_len]),
-                         segment_ids=jnp.asarray(prefix_seg), block_ids=jnp.asarray(prefix_blk))
-    got = attn.attention(q[:, p_len:], k[:, p_len:], v[:, p_len:], q_segment_ids=suffix_seg,
-                         kv_segment_ids=suffix_seg, q_block_ids=suffix_blk, kv_block_ids=suffix_blk,
-                         cache=cache, impl="xla")
+    cache = attn.KVCache(
+        k=jnp.asarray(k[:, :p_len]),
+        v=jnp.asarray(v[:, :p_len]),
+        segment_ids=jnp.asarray(prefix_seg),
+        block_ids=jnp.asarray(prefix_blk),
+    )
+    got = attn.attention(
+        q[:, p_len:],
+        k[:, p_len:],
+        v[:, p_len:],
+        q_segment_ids=suffix_seg,
+        kv_segment_ids=suffix_seg,
+        q_block_ids=suffix_blk,
+        kv_block_ids=suffix_blk,
+        cache=cache,
+        impl="xla",
+    )
     want = reference_attention(q, k, v, seg, seg, blk, blk)[:, p_len:]
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
     extended = attn.extend_kv(cache, k[:, p_len:], v[:, p_len:], suffix_seg, suffix_blk)
@@ -166,8 +189,9 @@ def test_bfloat16_inputs_follow_float32_reference():
     seg, blk = packed_ids(rng, 2, 10, "prefix_lm")
     q, k, v = random_qkv(rng, 2, 10, 10, 4, 2, 16)
     qb, kb, vb = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
-    got = attn.attention(qb, kb, vb, q_segment_ids=seg, kv_segment_ids=seg, q_block_ids=blk,
-                         kv_block_ids=blk, impl="auto")
+    got = attn.attention(
+        qb, kb, vb, q_segment_ids=seg, kv_segment_ids=seg, q_block_ids=blk, kv_block_ids=blk, impl="auto"
+    )
     assert got.dtype == jnp.bfloat16
     want = reference_attention(*(np.asarray(a, np.float32) for a in (qb, kb, vb)), seg, seg, blk, blk)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
@@ -182,6 +206,26 @@ def test_segment_positions_restart_per_segment():
             count = 0 if i == 0 or seg[b, i] != seg[b, i - 1] else count + 1
             want[b, i] = count if seg[b, i] else 0
     np.testing.assert_array_equal(np.asarray(attn.segment_positions(seg)), want)
+
+
+def test_mask_positions_count_real_tokens_across_padding():
+    mask = np.array([[1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0]], np.int32)
+    want = np.array([[0, 1, 2, 0, 0, 0], [0, 0, 0, 1, 2, 3], [0, 0, 1, 2, 0, 3], [0, 0, 0, 0, 0, 0]])
+    got = np.asarray(attn.mask_positions(mask))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(attn.mask_positions(mask.astype(bool))), want)
+    # The formulas the models used before: π0.5's prefix (real tokens, padding 0) exactly; GR00T's
+    # (padding kept the last real rank, which no attention reads) on the real tokens.
+    pi05 = np.maximum(np.cumsum(mask, axis=1) - 1, 0) * mask
+    np.testing.assert_array_equal(got, pi05)
+    gr00t = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    np.testing.assert_array_equal(got[mask != 0], gr00t[mask != 0])
+    # One contiguous run of real tokens per row: the same as the within-segment positions.
+    contiguous = mask[:2]
+    np.testing.assert_array_equal(got[:2], np.asarray(attn.segment_positions(contiguous)))
+    # Holes: segment_positions restarts after one, mask_positions keeps counting.
+    assert np.asarray(attn.segment_positions(mask[2:3]))[0, 2] == 0 and got[2, 2] == 1
 
 
 def test_dispatch_on_cpu(caplog):

@@ -1,5 +1,6 @@
 """Block-sparse segment attention vs the dense-mask reference (float32, forward and gradients),
 the KV-cache form, dispatch, and the cost: XLA-counted FLOPs close to the visible block pairs."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,11 +24,11 @@ def random_packing(rng, batch, length, max_len, structure):
             n = min(int(rng.choice([1, rng.integers(1, max_len + 1)])), length - pos)  # one-token segments too
             if rng.random() < 0.1 and sid > 1:
                 break
-            seg[b, pos:pos + n] = sid
+            seg[b, pos : pos + n] = sid
             if structure == "causal":
-                blk[b, pos:pos + n] = np.arange(n)
+                blk[b, pos : pos + n] = np.arange(n)
             elif structure == "general":
-                blk[b, pos:pos + n] = rng.integers(0, 3, n)
+                blk[b, pos : pos + n] = rng.integers(0, 3, n)
             pos, sid = pos + n, sid + 1
     return seg, blk
 
@@ -42,18 +43,20 @@ def check_equal(q, k, v, q_seg, kv_seg, q_blk, kv_blk, bounds, scale=0.25):
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
 
-    sparse = jax.jit(lambda q, k, v: block_sparse_attention(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale=scale,
-                                                            bounds=bounds))
+    sparse = jax.jit(
+        lambda q, k, v: block_sparse_attention(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale=scale, bounds=bounds)
+    )
     ref = jax.jit(lambda q, k, v: dense(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale))
     np.testing.assert_allclose(np.asarray(sparse(q, k, v)), np.asarray(ref(q, k, v)), atol=1e-6, rtol=1e-6)
     got = jax.jit(jax.grad(loss(sparse), argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("structure,heads,kv_heads,block", [("none", 4, 1, 8), ("causal", 4, 2, 4),
-                                                            ("general", 2, 2, 16)])
+@pytest.mark.parametrize(
+    "structure,heads,kv_heads,block", [("none", 4, 1, 8), ("causal", 4, 2, 4), ("general", 2, 2, 16)]
+)
 def test_self_attention_equals_dense(structure, heads, kv_heads, block):
     rng = np.random.default_rng([heads, kv_heads, block])
     b, t, max_len = 4, 61, 19  # segments straddle block edges (block sizes 4..16)
@@ -82,14 +85,25 @@ def test_kv_cache_form_equals_dense():
     q = rng.standard_normal((b, m * hzn, n, h)).astype(np.float32)
     k_all = rng.standard_normal((b, p_len + m * hzn, kh, h)).astype(np.float32)
     v_all = rng.standard_normal((b, p_len + m * hzn, kh, h)).astype(np.float32)
-    cache = attn.KVCache(k=jnp.asarray(k_all[:, :p_len]), v=jnp.asarray(v_all[:, :p_len]),
-                         segment_ids=jnp.asarray(prefix_seg), block_ids=jnp.asarray(prefix_blk))
+    cache = attn.KVCache(
+        k=jnp.asarray(k_all[:, :p_len]),
+        v=jnp.asarray(v_all[:, :p_len]),
+        segment_ids=jnp.asarray(prefix_seg),
+        block_ids=jnp.asarray(prefix_blk),
+    )
     longest = int(max((prefix_seg == i).sum(1).max() for i in range(1, m + 1)))
     bounds = SegmentBounds(max_segments=m, max_q_len=hzn, max_kv_len=longest + hzn, block_size=8)
-    kwargs = dict(q_segment_ids=suffix_seg, kv_segment_ids=suffix_seg, q_block_ids=suffix_blk,
-                  kv_block_ids=suffix_blk, cache=cache, scale=0.3)
+    kwargs = dict(
+        q_segment_ids=suffix_seg,
+        kv_segment_ids=suffix_seg,
+        q_block_ids=suffix_blk,
+        kv_block_ids=suffix_blk,
+        cache=cache,
+        scale=0.3,
+    )
     got = jax.jit(lambda q, k, v: attn.attention(q, k, v, impl="auto", bounds=bounds, **kwargs))(
-        q, k_all[:, p_len:], v_all[:, p_len:])
+        q, k_all[:, p_len:], v_all[:, p_len:]
+    )
     want = jax.jit(lambda q, k, v: attn.attention(q, k, v, impl="xla", **kwargs))(q, k_all[:, p_len:], v_all[:, p_len:])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
     seg = np.concatenate([prefix_seg, suffix_seg], 1)
@@ -107,8 +121,9 @@ def test_dispatch_uses_block_sparse_for_packed_rows_on_cpu():
     hlo = auto.lower(q).as_text()
     dense_hlo = jax.jit(lambda q: attn.attention(q, q, q, impl="xla", **kwargs)).lower(q).as_text()
     assert "24x24" in dense_hlo and "24x24" not in hlo  # no row x row mask
-    np.testing.assert_allclose(np.asarray(auto(q)), np.asarray(attn.attention(q, q, q, impl="xla", **kwargs)),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(auto(q)), np.asarray(attn.attention(q, q, q, impl="xla", **kwargs)), atol=1e-6
+    )
     with pytest.raises(ValueError, match="needs bounds"):
         attn.attention(q, q, q, impl="blocksparse", **kwargs)
     with pytest.raises(ValueError, match="max_segments"):

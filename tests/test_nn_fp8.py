@@ -1,4 +1,5 @@
 """FP8 (flax delayed scaling): a small MLP tracks the float32 loss curve; scaling state updates."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

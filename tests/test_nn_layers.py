@@ -1,13 +1,16 @@
-"""Dense/Einsum, norms, RoPE, MLPs, embeddings and LoRA vs NumPy formulas; fsdp-sharded jit."""
+"""Dense/Einsum, norms, RoPE, MLPs, embeddings and LoRA vs NumPy formulas; fsdp-sharded jit; image
+preprocessing (nn.image) and modules in raw JAX loops (nn.traced) vs the forms they replaced."""
+
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from embodied_jax.nn import embeddings, lora, mlp, norms, rope
 from embodied_jax.nn import dense as dense_module
+from embodied_jax.nn import embeddings, image, lora, mlp, norms, rope, traced
 from embodied_jax.nn.dense import Dense, Einsum
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.partition import describe_spec
@@ -46,11 +49,15 @@ def test_dense_einsum_and_axes():
     d = Dense(6, 5, rngs=nnx.Rngs(0))
     set_param(d.bias, rand((5,), 1))
     x = rand((2, 3, 6), 2)
-    np.testing.assert_allclose(np.asarray(d(x)), x @ np.asarray(d.kernel[...]) + np.asarray(d.bias[...]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(d(x)), x @ np.asarray(d.kernel[...]) + np.asarray(d.bias[...]), rtol=1e-5, atol=1e-5
+    )
     assert d.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")
     assert d.bias.get_metadata()["out_sharding"] == ("mlp",)
     e = Einsum("btd,ndh->btnh", (3, 6, 4), axes=("heads", "embed", "head_dim"), rngs=nnx.Rngs(0))
-    np.testing.assert_allclose(np.asarray(e(x)), np.einsum("btd,ndh->btnh", x, np.asarray(e.kernel[...])), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(e(x)), np.einsum("btd,ndh->btnh", x, np.asarray(e.kernel[...])), rtol=1e-5, atol=1e-5
+    )
     bf = Dense(6, 5, use_bias=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert bf.bias is None and bf(x).dtype == jnp.bfloat16 and bf.kernel.dtype == jnp.float32
     with pytest.raises(ValueError, match="fp8='int4'"):
@@ -116,7 +123,7 @@ def test_layernorm_and_adaln():
     for order in (("scale", "shift"), ("shift", "scale")):
         ada = norms.AdaLayerNorm(8, 4, chunk_order=order, eps=1e-6, rngs=nnx.Rngs(1))
         mod = (cond * (1 / (1 + np.exp(-cond)))) @ np.asarray(ada.linear.kernel[...]) + np.asarray(ada.linear.bias[...])
-        chunks = dict(zip(order, (mod[:, None, :8], mod[:, None, 8:])))
+        chunks = dict(zip(order, (mod[:, None, :8], mod[:, None, 8:]), strict=True))
         want = np_ln(x, 1e-6) * (1 + chunks["scale"]) + chunks["shift"]
         np.testing.assert_allclose(np.asarray(ada(x, cond)), want, rtol=1e-4, atol=1e-4)
 
@@ -137,12 +144,16 @@ def test_rope_rotate_half():
 
 
 def test_time_embeddings():
-    t = np.array([0.0, 0.25, 0.999], np.float32)
+    t = np.array([0.0, 0.25, 0.999, 0.6180339], np.float32)
     got = np.asarray(embeddings.sincos_embedding(t, 8, min_period=4e-3, max_period=4.0))
+    assert got.dtype == np.float32
     frac = np.linspace(0, 1, 4)
     period = 4e-3 * (4.0 / 4e-3) ** frac
-    ang = 2 * np.pi * t[:, None] / period
-    np.testing.assert_allclose(got, np.concatenate([np.sin(ang), np.cos(ang)], -1), atol=3e-4)  # float32 angles up to ~1.6e3 rad
+    ang = 2 * np.pi * t.astype(np.float64)[:, None] / period  # upstream: float64 angles up to ~1.6e3 rad
+    # float32-accurate result (a float32 angle product would be off by ~1e-4)
+    np.testing.assert_allclose(got, np.concatenate([np.sin(ang), np.cos(ang)], -1), atol=1e-6)
+    with pytest.raises(ValueError, match="even"):
+        embeddings.sincos_embedding(t, 7)
     steps = np.array([0, 3, 999], np.float32)
     got = np.asarray(embeddings.timestep_embedding(steps, 6))
     freqs = np.exp(-math.log(10000) * np.arange(3) / (3 - 1.0))
@@ -200,7 +211,8 @@ def test_lora_starts_at_base_and_adds_low_rank_update():
     e = Einsum("btd,ndh->btnh", (3, 6, 4), axes=("heads", "embed", "head_dim"), lora=cfg, rngs=nnx.Rngs(0))
     set_param(e.lora_b, rand((2, 3, 4), 19))
     want = np.einsum("btd,ndh->btnh", x, np.asarray(e.kernel[...])) + 2.0 * np.einsum(
-        "btd,dr,rnh->btnh", x, np.asarray(e.lora_a[...]), np.asarray(e.lora_b[...]))
+        "btd,dr,rnh->btnh", x, np.asarray(e.lora_a[...]), np.asarray(e.lora_b[...])
+    )
     np.testing.assert_allclose(np.asarray(e(x)), want, rtol=1e-4, atol=1e-5)
     # freeze rule: only lora_a / lora_b train
     model = mlp.GatedMLP(6, 8, lora=cfg, rngs=nnx.Rngs(0))
@@ -208,6 +220,7 @@ def test_lora_starts_at_base_and_adds_low_rank_update():
     trainable = sorted(p for p in paths if lora.is_lora_path(p.split("/")))
     assert trainable == sorted(f"{n}/lora_{ab}" for n in ("down_proj", "gate_proj", "up_proj") for ab in "ab")
     import re
+
     assert sorted(p for p in paths if re.match(lora.LORA_FREEZE_REGEX, p)) == sorted(set(paths) - set(trainable))
 
 
@@ -225,3 +238,140 @@ def test_gated_mlp_jit_on_sharded_mesh(sizes):
     k = {n: np.asarray(getattr(model, n).kernel[...]) for n in ("gate_proj", "up_proj", "down_proj")}
     want = (np_gelu_tanh(x @ k["gate_proj"]) * (x @ k["up_proj"])) @ k["down_proj"]
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- nn.image
+
+
+def _old_pi05_resize_with_pad(img, size):  # models/pi05_inputs.py before nn.image (float, floor, pad -1)
+    from PIL import Image
+
+    height, width = size
+    cur_h, cur_w = img.shape[:2]
+    if (cur_h, cur_w) == (height, width):
+        return img
+    ratio = max(cur_w / width, cur_h / height)
+    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
+    channels = [
+        np.asarray(Image.fromarray(img[..., c].astype(np.float32), mode="F").resize((new_w, new_h), Image.BILINEAR))
+        for c in range(img.shape[-1])
+    ]
+    out = np.full((height, width, img.shape[-1]), -1.0, np.float32)
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    out[top : top + new_h, left : left + new_w] = np.clip(np.stack(channels, axis=-1), -1.0, 1.0)
+    return out
+
+
+def _old_data_resize_with_pad(img, height, width):  # data/transforms.py before nn.image (uint8, round, pad 0)
+    in_h, in_w = img.shape[:2]
+    if (in_h, in_w) == (height, width):
+        return img
+    scale = min(height / in_h, width / in_w)
+    new_h, new_w = max(1, int(round(in_h * scale))), max(1, int(round(in_w * scale)))
+    out = np.zeros((height, width, 3), np.uint8)
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    out[top : top + new_h, left : left + new_w] = image.resize(img, new_h, new_w)
+    return out
+
+
+@pytest.mark.parametrize(
+    "shape, size",
+    [((48, 64), (32, 32)), ((30, 17), (24, 24)), ((10, 30), (12, 16)), ((21, 21), (21, 21)), ((7, 5), (32, 20))],
+)
+def test_resize_with_pad_matches_both_previous_forms(shape, size):
+    rng = np.random.default_rng(0)
+    signed = rng.uniform(-1, 1, (*shape, 3)).astype(np.float32)
+    got = image.resize_with_pad(signed, *size, rounding="floor")
+    assert got.dtype == np.float32 and got.shape == (*size, 3)
+    np.testing.assert_array_equal(got, _old_pi05_resize_with_pad(signed, size))
+    pixels = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    got = image.resize_with_pad(pixels, *size)
+    assert got.dtype == np.uint8 and got.shape == (*size, 3)
+    np.testing.assert_array_equal(got, _old_data_resize_with_pad(pixels, *size))
+    # black padding in either range: 0 for uint8, -1 for float in [-1, 1]
+    if shape == (48, 64):
+        assert not got[:4].any() and not got[-4:].any()
+        np.testing.assert_array_equal(image.resize_with_pad(signed, *size, rounding="floor")[:4], -1.0)
+
+
+def test_resize_with_pad_rounding_rules_differ_and_are_checked():
+    pixels = np.full((11, 20, 3), 255, np.uint8)  # 20 -> 16 wide: 11 * 0.8 = 8.8 rows
+
+    def rows(out):
+        return int(out.any(axis=(1, 2)).sum())
+
+    assert rows(image.resize_with_pad(pixels, 16, 16)) == 9  # nearest
+    assert rows(image.resize_with_pad(pixels, 16, 16, rounding="floor")) == 8  # openpi
+    with pytest.raises(ValueError, match="rounding"):
+        image.resize_with_pad(pixels, 12, 16, rounding="ceil")
+
+
+def test_to_unit_range_matches_previous_forms():
+    pixels = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    got = image.to_unit_range(pixels)
+    assert got.dtype == np.float32 and got[0, 0] == -1.0 and got[-1, -1] == 1.0
+    np.testing.assert_array_equal(got, pixels.astype(np.float32) / 127.5 - 1.0)  # both builders' formula
+    old_data = pixels.astype(np.float32) * np.float32(2.0 / 255.0) - np.float32(1.0)  # the data layer's
+    np.testing.assert_allclose(got, old_data, rtol=0, atol=1.2e-7)  # last float32 bit only
+    np.testing.assert_allclose(got, pixels / 127.5 - 1.0, rtol=0, atol=6e-8)  # within half an ulp of exact
+    unit = np.linspace(0, 1, 12, dtype=np.float32).reshape(2, 2, 3)
+    signed = unit * 2 - 1
+    np.testing.assert_array_equal(image.to_unit_range(unit), unit)  # GR00T / data: floats are [-1, 1]
+    np.testing.assert_array_equal(image.to_unit_range(unit, floats="auto"), unit * 2.0 - 1.0)  # π0.5: [0, 1]
+    np.testing.assert_array_equal(image.to_unit_range(signed, floats="auto"), signed)
+    assert image.to_unit_range(unit.astype(np.float64)).dtype == np.float32
+    with pytest.raises(ValueError, match="floats"):
+        image.to_unit_range(unit, floats="unit")
+
+
+# ----------------------------------------------------------------------------- nn.traced
+
+
+class _Counting(nnx.Module):
+    """A linear map whose forward pass also updates state (what NNX refuses across trace levels)."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+        self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.calls[...] = self.calls[...] + 1
+        return self.lin(x)
+
+
+def test_module_fori_loop_runs_the_module_in_the_loop():
+    module = _Counting()
+    x = rand((2, 3), 3)
+    want = x
+    for i in range(4):
+        want = 0.5 * np.asarray(module.lin(want)) + i
+
+    def body(i, m, c):
+        return 0.5 * m(c) + i
+
+    eager = traced.module_fori_loop(module, 4, body, jnp.asarray(x))
+    jitted = nnx.jit(lambda m, c: traced.module_fori_loop(m, 4, body, c))(module, jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(eager), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jitted), want, rtol=1e-5, atol=1e-5)
+    assert int(module.calls[...]) == 0  # mutations inside the loop are not carried out
+    with pytest.raises(Exception, match="trace level"):  # what the helper avoids
+        jax.lax.fori_loop(0, 2, lambda i, c: module(c), jnp.asarray(x))
+
+
+def test_merge_in_trace_inside_a_scan_of_a_jitted_state():
+    # The policy-bundle pattern: state as a jit argument, the module rebuilt inside a scan body.
+    module = _Counting()
+    graphdef, state = nnx.split(module)
+    x = rand((2, 3), 4)
+
+    @jax.jit
+    def run(state, x):
+        def body(c, _):
+            return traced.merge_in_trace(graphdef, state)(c), None
+
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    want = x
+    for _ in range(3):
+        want = np.asarray(module.lin(want))
+    np.testing.assert_allclose(np.asarray(run(state, jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ softmax, FlashAttention-2 backward, grouped-query heads, padding to the tile siz
 ``gpu``-marked test compiles them with Triton and checks bfloat16 inputs
 (``JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu tests/test_nn_pallas_attention.py``).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,19 +45,25 @@ def _compare(q, k, v, ids, tol, interpret):
         return attn.xla_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask, 0.3)
 
     def fused(q, k, v):
-        return flash_segment_attention(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale=0.3, block_q=16, block_k=16,
-                                       interpret=interpret).astype(jnp.float32)
+        return flash_segment_attention(
+            q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale=0.3, block_q=16, block_k=16, interpret=interpret
+        ).astype(jnp.float32)
 
     np.testing.assert_allclose(np.asarray(jax.jit(fused)(q, k, v)), np.asarray(jax.jit(ref)(q, k, v)), **tol)
-    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * weights)  # noqa: E731
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a) * weights)
+
     got = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), **tol)
 
 
-@pytest.mark.parametrize("structure,heads,kv_heads,head_dim,kv_len", [
-    ("general", 4, 2, 24, None), ("causal", 2, 1, 16, None), ("prefix_suffix", 2, 2, 8, 24)])
+@pytest.mark.parametrize(
+    "structure,heads,kv_heads,head_dim,kv_len",
+    [("general", 4, 2, 24, None), ("causal", 2, 1, 16, None), ("prefix_suffix", 2, 2, 8, 24)],
+)
 def test_interpreted_kernel_equals_dense_reference(structure, heads, kv_heads, head_dim, kv_len):
     rng, *ids = _case(heads + kv_heads, structure=structure, s=kv_len)
     t, s = ids[0].shape[1], ids[1].shape[1]
@@ -80,6 +87,16 @@ def test_compiled_kernel_equals_dense_reference_in_bfloat16(structure):
     q, k, v = (jnp.asarray(rng.standard_normal((2, 300, n, 64)), jnp.bfloat16) for n in (8, 2, 2))
     _compare(q, k, v, ids, dict(atol=3e-2, rtol=3e-2), interpret=False)
     bounds = SegmentBounds(max_segments=3, max_q_len=300, max_kv_len=300)
-    out = attn.attention(q, k, v, q_segment_ids=ids[0], kv_segment_ids=ids[1], q_block_ids=ids[2],
-                         kv_block_ids=ids[3], impl="auto", bounds=bounds, scale=0.3)
+    out = attn.attention(
+        q,
+        k,
+        v,
+        q_segment_ids=ids[0],
+        kv_segment_ids=ids[1],
+        q_block_ids=ids[2],
+        kv_block_ids=ids[3],
+        impl="auto",
+        bounds=bounds,
+        scale=0.3,
+    )
     assert out.dtype == jnp.bfloat16

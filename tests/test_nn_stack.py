@@ -1,4 +1,5 @@
 """Scanned vs unrolled layer stacks and remat policies: same outputs and gradients."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,8 +57,9 @@ def test_scan_unrolled_and_remat_agree(stacks, remat_policy):
     want_out, want_aux = numpy_stack(unrolled, x, 0.5, shift)
 
     def loss(stack, x, scan):
-        out, aux = run_stack(stack, x, 0.5, scan=scan, remat_policy=remat_policy, with_outputs=True,
-                             shift=PerLayer(jnp.asarray(shift)))
+        out, aux = run_stack(
+            stack, x, 0.5, scan=scan, remat_policy=remat_policy, with_outputs=True, shift=PerLayer(jnp.asarray(shift))
+        )
         return jnp.sum(out**2), (out, aux)
 
     results = {}
@@ -73,7 +75,7 @@ def test_scan_unrolled_and_remat_agree(stacks, remat_policy):
         assert len(results[scan]) == 2
     reference = reference_grads(unrolled, x, 0.5, shift)
     for scan in (False, True):
-        for got, want in zip(results[scan], reference):
+        for got, want in zip(results[scan], reference, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

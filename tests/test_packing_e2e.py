@@ -5,6 +5,7 @@
   attention (block-sparse on CPU) keeps them apart;
 - ``python -m experiments.launch demo[_gr00t] --data.packing.seq-len N`` trains packed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,12 +39,19 @@ def _setup(arch, root):
     config = demo.demo_config(image_size=IMAGE, arch=arch)
     if arch == "gr00t":
         tokenizer = demo.build_gr00t_tokenizer(root / "tokenizer.json")
-        model = dataclasses.replace(config.model, tokenizer_path=str(tokenizer), dit_dropout=0.0, vl_dropout=0.0)
+        head = config.model.action_head
+        head = dataclasses.replace(
+            head,
+            dit=dataclasses.replace(head.dit, dropout=0.0),
+            vl_self_attention=dataclasses.replace(head.vl_self_attention, dropout=0.0),
+        )
+        model = dataclasses.replace(config.model, tokenizer_path=str(tokenizer), action_head=head)
     else:
         tokenizer = demo.build_tokenizer(root / "tokenizer.model", vocab_size=config.model.vocab_size)
         model = dataclasses.replace(config.model, tokenizer_path=str(tokenizer), flow_samples_per_obs=1)
-    data = dataclasses.replace(config.data, data=dataclasses.replace(
-        config.data.data, sources=(SourceConfig(str(root / "dataset")),)))
+    data = dataclasses.replace(
+        config.data, data=dataclasses.replace(config.data.data, sources=(SourceConfig(str(root / "dataset")),))
+    )
     return model, data
 
 
@@ -52,8 +60,9 @@ def _per_sample_losses(model_config, batch, noise, time):
     with mesh_context(mesh):
         model = model_config.make(nnx.Rngs(0))
         if hasattr(model, "per_sample_losses"):  # GR00T: squared-error sums and counts per sample slot
-            errors, counts = nnx.jit(lambda m: m.per_sample_losses(batch, jax.random.key(0), noise=noise, time=time,
-                                                                   dropout=False))(model)
+            errors, counts = nnx.jit(
+                lambda m: m.per_sample_losses(batch, jax.random.key(0), noise=noise, time=time, dropout=False)
+            )(model)
             return np.asarray(errors) / np.maximum(np.asarray(counts), 1)
         per_sample = nnx.jit(lambda m: m.loss_terms(batch, jax.random.key(0), noise=noise, time=time)[1])(model)
         return np.asarray(per_sample).reshape(-1)
@@ -79,7 +88,7 @@ def test_packed_pipeline_gives_each_sample_its_unpacked_loss(collected, arch):
     # each packed sample slot is one of the unpacked samples (the same frame: the same action chunk)
     actions = unpacked["actions"].reshape(12, -1)
     match = np.zeros(present.shape, int)
-    for r, m in zip(*np.nonzero(present)):
+    for r, m in zip(*np.nonzero(present), strict=True):
         hits = np.flatnonzero(np.all(actions == packed["actions"][r, m].reshape(-1), axis=1))
         assert len(hits) >= 1
         match[r, m] = hits[0]
@@ -101,10 +110,31 @@ def test_launcher_trains_packed(collected, name, tmp_path):
     from experiments.launch import main
 
     shutil.copytree(collected / "dataset", tmp_path / "dataset")
-    argv = [name, "--workdir", str(tmp_path), "--episodes", "4", "--eval-envs", "0", "--train.steps", "2",
-            "--train.batch-size", "8", "--train.log-every", "1", "--data.packing.seq-len", "160",
-            "--data.packing.max-samples-per-row", "4", "--checkpoint.save-every", "2",
-            "--metrics.no-progress-bar", "--metrics.no-tensorboard", "--model.num-inference-steps", "2"]
+    argv = [
+        name,
+        "--workdir",
+        str(tmp_path),
+        "--episodes",
+        "4",
+        "--eval-envs",
+        "0",
+        "--train.steps",
+        "2",
+        "--train.batch-size",
+        "8",
+        "--train.log-every",
+        "1",
+        "--data.packing.seq-len",
+        "160",
+        "--data.packing.max-samples-per-row",
+        "4",
+        "--checkpoint.save-every",
+        "2",
+        "--metrics.no-progress-bar",
+        "--metrics.no-tensorboard",
+        "--model.num-inference-steps",
+        "2",
+    ]
     assert main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "loss" in r]

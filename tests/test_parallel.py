@@ -1,4 +1,5 @@
 """Mesh construction, cluster detection and global batch assembly."""
+
 from __future__ import annotations
 
 import jax
@@ -60,16 +61,26 @@ def test_global_batch_is_sharded_over_data_axes():
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_STEP_NODELIST": "gpu[003-006,010]"},
-         ("gpu003:6789", 16, 5, "SLURM")),
-        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_NODELIST": "node1,node2"},
-         ("node1:6789", 2, 1, "SLURM")),
-        ({"JOB_COMPLETION_INDEX": "3", "JOBSET_NAME": "vla", "REPLICATED_JOB_NAME": "workers", "NUM_PROCESSES": "4"},
-         ("vla-workers-0-0.vla:6789", 4, 3, "Kubernetes")),
-        ({"JOB_COMPLETION_INDEX": "1", "NUM_PROCESSES": "2", "COORDINATOR_ADDRESS": "train-0.svc:1234"},
-         ("train-0.svc:1234", 2, 1, "Kubernetes")),
-        ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "2", "MASTER_ADDR": "head"},
-         ("head:6789", 8, 2, "Open MPI")),
+        (
+            {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_STEP_NODELIST": "gpu[003-006,010]"},
+            ("gpu003:6789", 16, 5, "SLURM"),
+        ),
+        (
+            {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_NODELIST": "node1,node2"},
+            ("node1:6789", 2, 1, "SLURM"),
+        ),
+        (
+            {"JOB_COMPLETION_INDEX": "3", "JOBSET_NAME": "vla", "REPLICATED_JOB_NAME": "workers", "NUM_PROCESSES": "4"},
+            ("vla-workers-0-0.vla:6789", 4, 3, "Kubernetes"),
+        ),
+        (
+            {"JOB_COMPLETION_INDEX": "1", "NUM_PROCESSES": "2", "COORDINATOR_ADDRESS": "train-0.svc:1234"},
+            ("train-0.svc:1234", 2, 1, "Kubernetes"),
+        ),
+        (
+            {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "2", "MASTER_ADDR": "head"},
+            ("head:6789", 8, 2, "Open MPI"),
+        ),
         ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),
         ({}, None),
     ],

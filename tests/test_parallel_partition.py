@@ -1,11 +1,13 @@
 """Placement rules that always apply, rules overrides, HLO collective parsing, virtual devices."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from embodied_jax.parallel import partition
 from embodied_jax.parallel.hlo import collective_stats
@@ -42,7 +44,7 @@ def test_gr00t_embodiment_weight_shards_where_it_can(devices):
     # Along 1536 alone where it divides (64, 256); at 1024 embed takes 32 and 1536 the other 32.
     want = "(None, None, fsdp)" if devices < 1024 else "(None, fsdp:32, fsdp:32)"
     assert partition.describe_spec(placement.spec, mesh) == want and "embed[32]" in placement.fallback
-    for dim, entry in zip((32, 32, 1536), placement.spec):
+    for dim, entry in zip((32, 32, 1536), placement.spec, strict=True):
         assert dim % _shards(P(entry), mesh) == 0
 
 
@@ -72,7 +74,10 @@ def test_fallback_order_small_arrays_and_unknown_names():
 
 def test_rules_overrides_parse_and_name_their_errors():
     assert parse_rules(["mlp=tensor", "batch=data,fsdp", "vocab="]) == (
-        ("mlp", "tensor"), ("batch", ("data", "fsdp")), ("vocab", None))
+        ("mlp", "tensor"),
+        ("batch", ("data", "fsdp")),
+        ("vocab", None),
+    )
     assert parse_rules(["tensor_parallel"]) == PRESETS["tensor_parallel"]
     rules = ShardingRules.from_config(["mlp=tensor"])
     assert [t for n, t in rules.table if n == "mlp"] == ["tensor"] and rules.uses("tensor")
@@ -110,6 +115,7 @@ def _fsdp_matmul_hlo(mesh, layers=3):
         def body(h, wl):
             h = jax.lax.with_sharding_constraint(h, x_sharding)
             return h + jnp.tanh(h @ wl) @ wl.T, None
+
         return jnp.sum(jax.lax.scan(jax.checkpoint(body), x, w)[0] ** 2)
 
     with jax.set_mesh(mesh):
@@ -136,14 +142,23 @@ def test_collective_group_formats():
     assert hlo._first_group("replica_groups=[2,4]<=[8]", 8) == [0, 1, 2, 3]
     assert hlo._first_group("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [0, 4]
     assert hlo._first_group("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", 8) == [0, 1]
-    assert hlo._first_group(
-        "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", 8) == [0, 2, 4, 6]
+    assert hlo._first_group("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", 8) == [
+        0,
+        2,
+        4,
+        6,
+    ]
 
 
 def test_memory_plan_is_affine_in_the_batch():
     gib = 2**30
-    plan = scaling.memory_plan({4: 10 * gib, 8: 18 * gib}, state_total=64 * gib, state_per_device=1 * gib,
-                               gpu_bytes=100 * gib, global_examples=1024)
+    plan = scaling.memory_plan(
+        {4: 10 * gib, 8: 18 * gib},
+        state_total=64 * gib,
+        state_per_device=1 * gib,
+        gpu_bytes=100 * gib,
+        global_examples=1024,
+    )
     assert plan["bytes_per_example"] == 2 * gib and plan["fixed_bytes"] == 2 * gib
     assert plan["max_examples_per_device"] == 49
     # (64 GiB of state + 2 GiB x 1024 examples) / (100 GiB - 1 GiB that does not shrink) -> 22 devices

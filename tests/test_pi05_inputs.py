@@ -2,16 +2,16 @@
 
 The SentencePiece model is trained on the fly (PaliGemma's special ids: pad 0, eos 1, bos 2).
 """
+
 import io
 
 import numpy as np
 import pytest
 import sentencepiece as spm
 
-from embodied_jax.models.pi05_inputs import (
-    Pi05InputBuilder, build_prompt, discretize_state, resize_with_pad,
-)
+from embodied_jax.models.pi05_inputs import Pi05InputBuilder, build_prompt, discretize_state
 from embodied_jax.models.tokenizer import JsonTokenizer, SentencePieceTokenizer, load_tokenizer
+from embodied_jax.nn.image import resize_with_pad
 
 CORPUS = [
     "Task: pick up the red cube, State: 0 12 128 255 64 3;\nAction: ",
@@ -24,8 +24,16 @@ CORPUS = [
 def sp_model(tmp_path_factory):
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=48, model_type="unigram",
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, character_coverage=1.0, minloglevel=2,
+        sentence_iterator=iter(CORPUS),
+        model_writer=model,
+        vocab_size=48,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        character_coverage=1.0,
+        minloglevel=2,
     )
     path = tmp_path_factory.mktemp("sp") / "tokenizer.model"
     path.write_bytes(model.getvalue())
@@ -49,12 +57,24 @@ def test_prompt_format():
 
 
 def test_builder_tokens_images_and_actions(sp_model):
-    builder = Pi05InputBuilder(sp_model, camera_names=("base", "wrist", "other"), image_size=(8, 8),
-                               max_token_len=96, max_state_dim=6, max_action_dim=5)
+    builder = Pi05InputBuilder(
+        sp_model,
+        camera_names=("base", "wrist", "other"),
+        image_size=(8, 8),
+        max_token_len=96,
+        max_state_dim=6,
+        max_action_dim=5,
+    )
     state = np.array([0.0, 0.5, -1.0], np.float32)
     image = np.full((4, 8, 3), 255, np.uint8)  # 4x8 -> resized to 4x8 inside 8x8, padded with -1
-    out = builder({"task": "pick_up the red cube", "state": state, "images": {"base": image},
-                   "actions": np.ones((3, 2), np.float32)})
+    out = builder(
+        {
+            "task": "pick_up the red cube",
+            "state": state,
+            "images": {"base": image},
+            "actions": np.ones((3, 2), np.float32),
+        }
+    )
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
     expected = [2] + sp.encode("Task: pick up the red cube, State: 128 192 0 128 128 128;\nAction: ")
     n = len(expected)
@@ -81,7 +101,7 @@ def test_long_prompt_is_truncated(sp_model):
 
 def test_resize_with_pad_keeps_aspect():
     image = np.linspace(-1, 1, 6 * 12 * 3).reshape(6, 12, 3).astype(np.float32)
-    out = resize_with_pad(image, (12, 12))
+    out = resize_with_pad(image, 12, 12, rounding="floor")  # the builder's (openpi's) rule
     assert out.shape == (12, 12, 3)
     np.testing.assert_allclose(out[:3], -1.0)
     np.testing.assert_allclose(out[9:], -1.0)
@@ -89,11 +109,21 @@ def test_resize_with_pad_keeps_aspect():
 
 
 def test_packed_builder_emits_image_tokens_for_present_cameras_only(sp_model):
-    kwargs = dict(camera_names=("base", "wrist"), image_size=(4, 4), max_token_len=128, max_state_dim=2,
-                  image_tokens=3, image_token_id=999)
+    kwargs = dict(
+        camera_names=("base", "wrist"),
+        image_size=(4, 4),
+        max_token_len=128,
+        max_state_dim=2,
+        image_tokens=3,
+        image_token_id=999,
+    )
     padded, packed = Pi05InputBuilder(sp_model, **kwargs), Pi05InputBuilder(sp_model, packed=True, **kwargs)
-    sample = {"task": "stack the blocks", "state": np.zeros(2), "images": {"wrist": np.zeros((4, 4, 3), np.uint8)},
-              "actions": np.zeros((2, 3))}
+    sample = {
+        "task": "stack the blocks",
+        "state": np.zeros(2),
+        "images": {"wrist": np.zeros((4, 4, 3), np.uint8)},
+        "actions": np.zeros((2, 3)),
+    }
     full, out = padded(sample), packed(sample)
     prompt = full["tokens"][full["token_mask"]]
     np.testing.assert_array_equal(out["tokens"], np.concatenate([[999] * 3, prompt]))

@@ -5,6 +5,7 @@ Loss, gradients and sampling run sharded; the loss is invariant to prompt paddin
 prefix cache and the joint forward; the prefix-reuse path equals upstream's joint forward at
 flow_samples_per_obs=1, and K=2 draws average the two single-draw losses.
 """
+
 import dataclasses
 
 import jax
@@ -12,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from embodied_jax.data.packing import PackingConfig, pack_samples
 from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.pi05 import Pi05Config
-from embodied_jax.data.packing import PackingConfig, pack_samples
 from embodied_jax.models.pi05_inputs import packed_sample, stack_rows, synthetic_samples
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
@@ -25,8 +26,15 @@ CONFIG = Pi05Config(
     vision=SiglipConfig(width=16, depth=1, num_heads=2, mlp_dim=32, patch_size=8, image_size=16),
     vlm=GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=8),
     expert=GemmaConfig(width=16, depth=2, mlp_dim=32, num_heads=2, num_kv_heads=1, head_dim=8, use_adarms=True),
-    vocab_size=64, camera_names=("base", "left", "right"), max_token_len=16, action_horizon=4,
-    max_action_dim=8, action_dim=6, synthetic_prompt_len=6, num_inference_steps=2, attention_impl="xla",
+    vocab_size=64,
+    camera_names=("base", "left", "right"),
+    max_token_len=16,
+    action_horizon=4,
+    max_action_dim=8,
+    action_dim=6,
+    synthetic_prompt_len=6,
+    num_inference_steps=2,
+    attention_impl="xla",
 )
 JOINT = dataclasses.replace(CONFIG, joint_forward=True)
 TWO_DRAWS = dataclasses.replace(CONFIG, flow_samples_per_obs=2)
@@ -102,17 +110,24 @@ def test_loss_and_gradients(env):
     assert np.isfinite(float(loss)) and float(loss) > 0
     flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(grads, nnx.Param))}
     assert all(np.isfinite(np.asarray(v[...])).all() for v in flat.values())
-    for name in ("vision_tower.embeddings.patch_embedding.kernel", "multi_modal_projector.kernel",
-                 "llm.embed_tokens.embedding", "llm.layers.experts.0.mlp.down_proj.kernel",
-                 "llm.layers.experts.1.self_attn.q_proj.kernel", "time_mlp_in.kernel", "action_in_proj.kernel"):
+    for name in (
+        "vision_tower.embeddings.patch_embedding.kernel",
+        "multi_modal_projector.kernel",
+        "llm.embed_tokens.embedding",
+        "llm.layers.experts.0.mlp.down_proj.kernel",
+        "llm.layers.experts.1.self_attn.q_proj.kernel",
+        "time_mlp_in.kernel",
+        "action_in_proj.kernel",
+    ):
         assert np.abs(np.asarray(flat[name][...])).max() > 0, f"no gradient reaches {name}"
 
 
 def test_loss_invariant_to_prompt_padding(env):
     b = env["batch"]
     extra = 8
-    padded = dict(b, tokens=np.pad(b["tokens"], ((0, 0), (0, extra))),
-                  token_mask=np.pad(b["token_mask"], ((0, 0), (0, extra))))
+    padded = dict(
+        b, tokens=np.pad(b["tokens"], ((0, 0), (0, extra))), token_mask=np.pad(b["token_mask"], ((0, 0), (0, extra)))
+    )
     with mesh_context(env["mesh"]):
         base, _ = loss_terms(env["model"], put(env, b), env["noise"], env["time"])
         longer, _ = loss_terms(env["model"], put(env, padded), env["noise"], env["time"])
@@ -122,8 +137,10 @@ def test_loss_invariant_to_prompt_padding(env):
 @pytest.mark.parametrize("joint", [False, True])
 def test_packed_rows_give_unpacked_losses(env, joint):
     cams = [(1, 0, 0), (1, 1, 0), (0, 1, 1), (1, 1, 1), (0, 0, 1), (1, 0, 1), (0, 1, 0), (1, 1, 1)]
-    samples = [dict(s, image_masks={c: np.bool_(v) for c, v in zip(CONFIG.camera_names, m)}, sid=np.int32(i))
-               for i, (s, m) in enumerate(zip(env["samples"], cams))]
+    samples = [
+        dict(s, image_masks={c: np.bool_(v) for c, v in zip(CONFIG.camera_names, m, strict=True)}, sid=np.int32(i))
+        for i, (s, m) in enumerate(zip(env["samples"], cams, strict=True))
+    ]
     patches = CONFIG.vision.num_patches
     packed = [packed_sample(s, CONFIG.camera_names, patches, CONFIG.image_token_id) for s in samples]
     # rows of two full samples: some rows hold three short ones, the rest pad
@@ -149,8 +166,12 @@ def test_prefix_reuse_equals_joint_forward_and_averages_draws(env):
         cached, _ = loss_terms(env["model"], b, env["noise"], env["time"])
         cached_other, _ = loss_terms(env["model"], b, other_noise, other_time)
         joint, _ = loss_terms(with_config(env["model"], JOINT), b, env["noise"], env["time"])
-        two = loss_terms(with_config(env["model"], TWO_DRAWS), b, np.stack([env["noise"], other_noise], 1),
-                         np.stack([env["time"], other_time], 1))[0]
+        two = loss_terms(
+            with_config(env["model"], TWO_DRAWS),
+            b,
+            np.stack([env["noise"], other_noise], 1),
+            np.stack([env["time"], other_time], 1),
+        )[0]
     np.testing.assert_allclose(float(cached), float(joint), rtol=1e-5)
     np.testing.assert_allclose(float(two), (float(cached) + float(cached_other)) / 2, rtol=1e-5)
 

@@ -10,6 +10,7 @@ AdaRMS (scale, shift, gate) in the action expert, sincos time MLP, flow matching
 Sizes break the easy assumptions: heads × head_dim ≠ width in both experts, grouped KV heads,
 patch 4 with 12×12 images, an empty camera slot, prompt padding, action_dim < max_action_dim.
 """
+
 import math
 
 import jax
@@ -36,8 +37,14 @@ CONFIG = Pi05Config(
     vision=SiglipConfig(width=24, depth=2, num_heads=3, mlp_dim=40, patch_size=4, image_size=12),
     vlm=GemmaConfig(width=32, depth=2, mlp_dim=48, num_heads=4, num_kv_heads=2, head_dim=12),
     expert=GemmaConfig(width=16, depth=2, mlp_dim=24, num_heads=4, num_kv_heads=2, head_dim=12, use_adarms=True),
-    vocab_size=VOCAB, camera_names=CAMS, max_token_len=TOKENS, action_horizon=HORIZON,
-    max_action_dim=MAX_ADIM, action_dim=ADIM, num_inference_steps=3, attention_impl="xla",
+    vocab_size=VOCAB,
+    camera_names=CAMS,
+    max_token_len=TOKENS,
+    action_horizon=HORIZON,
+    max_action_dim=MAX_ADIM,
+    action_dim=ADIM,
+    num_inference_steps=3,
+    attention_impl="xla",
 )
 
 P = "model.paligemma_with_expert."
@@ -122,11 +129,11 @@ def layer_norm(x, w, b, eps=1e-6):
 
 
 def rms(x, eps=1e-6):
-    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
 
 
 def gelu_tanh(x):
-    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def silu(x):
@@ -149,7 +156,7 @@ def rope(x, pos, theta=10000.0):
     inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
     ang = pos[..., None].astype(np.float64) * inv  # [B, T, H/2]
     cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
-    x1, x2 = x[..., : h // 2], x[..., h // 2:]
+    x1, x2 = x[..., : h // 2], x[..., h // 2 :]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
@@ -165,8 +172,9 @@ def siglip(sd, img):
     for i in range(VISION["depth"]):
         pre = f"{V}encoder.layers.{i}."
         y = layer_norm(x, sd[pre + "layer_norm1.weight"], sd[pre + "layer_norm1.bias"])
-        q, k, vv = (lin(sd, pre + f"self_attn.{n}", y).reshape(b, -1, heads, hd)
-                    for n in ("q_proj", "k_proj", "v_proj"))
+        q, k, vv = (
+            lin(sd, pre + f"self_attn.{n}", y).reshape(b, -1, heads, hd) for n in ("q_proj", "k_proj", "v_proj")
+        )
         att = softmax_attention(q, k, vv, np.ones((b, x.shape[1], x.shape[1]), bool)).reshape(b, -1, VISION["width"])
         x = x + lin(sd, pre + "self_attn.out_proj", att)
         y = layer_norm(x, sd[pre + "layer_norm2.weight"], sd[pre + "layer_norm2.bias"])
@@ -219,7 +227,7 @@ def reference_velocity(sd, obs, x_t, t):
     cfgs = [VLM, EXPERT]
     for i in range(VLM["depth"]):
         qs, ks, vs, gates = [], [], [], []
-        for x, c, pre, cfg in zip(xs, conds, prefixes, cfgs):
+        for x, c, pre, cfg in zip(xs, conds, prefixes, cfgs, strict=True):
             h, g = norm(sd, f"{pre}layers.{i}.input_layernorm", x, c)
             gates.append(g)
             b, n = h.shape[:2]
@@ -230,15 +238,19 @@ def reference_velocity(sd, obs, x_t, t):
         att = softmax_attention(q, k, np.concatenate(vs, 1), mask)
         att = att.reshape(*att.shape[:2], -1)
         out, start = [], 0
-        for x, c, g, pre in zip(xs, conds, gates, prefixes):
+        for x, c, g, pre in zip(xs, conds, gates, prefixes, strict=True):
             n = x.shape[1]
-            y = lin(sd, f"{pre}layers.{i}.self_attn.o_proj", att[:, start:start + n], False)
+            y = lin(sd, f"{pre}layers.{i}.self_attn.o_proj", att[:, start : start + n], False)
             start += n
             x = x + (y if g is None else y * g)
             h, g2 = norm(sd, f"{pre}layers.{i}.post_attention_layernorm", x, c)
-            m = lin(sd, f"{pre}layers.{i}.mlp.down_proj",
-                    gelu_tanh(lin(sd, f"{pre}layers.{i}.mlp.gate_proj", h, False))
-                    * lin(sd, f"{pre}layers.{i}.mlp.up_proj", h, False), False)
+            m = lin(
+                sd,
+                f"{pre}layers.{i}.mlp.down_proj",
+                gelu_tanh(lin(sd, f"{pre}layers.{i}.mlp.gate_proj", h, False))
+                * lin(sd, f"{pre}layers.{i}.mlp.up_proj", h, False),
+                False,
+            )
             out.append(x + (m if g2 is None else m * g2))
         xs = out
     suffix_out, _ = norm(sd, E + "norm", xs[1], cond)
@@ -269,8 +281,11 @@ def observation(seed=1):
     token_mask = np.arange(TOKENS)[None] < np.array([[5], [3]])
     return {
         "images": {c: rng.uniform(-1, 1, (BATCH, size, size, 3)).astype(np.float32) for c in CAMS},
-        "image_masks": {"base": np.array([True, True]), "left": np.array([True, False]),
-                        "right": np.array([False, True])},
+        "image_masks": {
+            "base": np.array([True, True]),
+            "left": np.array([True, False]),
+            "right": np.array([False, True]),
+        },
         "tokens": np.where(token_mask, tokens, 0).astype(np.int32),
         "token_mask": token_mask,
     }

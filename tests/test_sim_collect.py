@@ -1,4 +1,5 @@
 """Expert demonstrations -> LeRobot dataset -> read back by the data layer."""
+
 import numpy as np
 import pytest
 
@@ -15,8 +16,24 @@ EPISODES, SIZE, NOISE = 6, 32, 0.015
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("demos") / "reach"
     # Through the CLI entry point (in-process), exactly as users run it.
-    assert collect.main(["reach", "--episodes", str(EPISODES), "--out", str(root), "--image-size", str(SIZE),
-                         "--seed", "1", "--noise", str(NOISE)]) == 0
+    assert (
+        collect.main(
+            [
+                "reach",
+                "--episodes",
+                str(EPISODES),
+                "--out",
+                str(root),
+                "--image-size",
+                str(SIZE),
+                "--seed",
+                "1",
+                "--noise",
+                str(NOISE),
+            ]
+        )
+        == 0
+    )
     env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(SIZE, SIZE)))
     expected = collect.expert_episodes(env, EPISODES, seed=1, noise=NOISE)
     return LeRobotDataset(root), expected
@@ -59,12 +76,23 @@ def test_episodes_end_when_the_expert_succeeds(dataset):
 def test_labels_stay_the_experts_under_execution_noise(dataset):
     _, expected = dataset
     from embodied_jax.sim.experts import MAX_STEP
+
     for episode in expected:
         state, action = episode["observation.state"], episode["action"]
         # Clean expert labels: rate-limited moves from the measured hand position, gripper open.
         # Recorded noisy commands would overshoot MAX_STEP (noise std NOISE on every axis).
         step = np.linalg.norm(action[:, :3] - state[:, :3], axis=-1)
         assert (step <= MAX_STEP + 1e-5).all() and (action[:, 3] == 1.0).all()
+
+
+def test_compiled_rollouts_are_reused_across_envs_and_bounded(dataset):
+    info = collect._build_rollout.cache_info()
+    assert info.maxsize == collect.ROLLOUT_CACHE_SIZE and info.currsize <= info.maxsize
+    assert info.hits >= 1  # the fixture's second, fresh Env reused the CLI's compiled rollout
+    config = env_lib.EnvConfig(image_size=(SIZE, SIZE))
+    first = collect._expert_rollout(env_lib.Env("reach", config), 2, 3, 0.0)  # built, not run
+    assert collect._expert_rollout(env_lib.Env("reach", config), 2, 3, 0.0) is first
+    assert collect._expert_rollout(env_lib.Env("reach", config), 2, 4, 0.0) is not first
 
 
 def test_cli_rejects_bad_arguments(tmp_path):

@@ -8,6 +8,7 @@ succeeds only if its target starts within tolerance. (Zero *joint targets* would
 hand across the workspace, through some targets.) Both share one compiled evaluation (the
 action table is the ``params`` argument).
 """
+
 import json
 import logging
 import math
@@ -47,8 +48,9 @@ def setup(tmp_path_factory):
     replay = eval_lib.summarize(env, config, replay_rollout, out_dir=out)
     hold = np.concatenate([reference.qpos[0, :, 0:3], np.ones_like(reference.qpos[0, :, :1])], -1)
     zero = evaluator(jax.random.key(SEED), params=jnp.broadcast_to(jnp.asarray(hold), reference.action.shape))
-    return types.SimpleNamespace(env=env, reference=reference, replay=replay, replay_rollout=replay_rollout,
-                                 zero=zero, out=out)
+    return types.SimpleNamespace(
+        env=env, reference=reference, replay=replay, replay_rollout=replay_rollout, zero=zero, out=out
+    )
 
 
 def test_replay_of_expert_actions_matches_hand_computed_success(setup):
@@ -90,10 +92,12 @@ def test_results_json_videos_and_grid_written(setup):
     assert written["success_rate"] == replay["success_rate"] and written["episodes"] == NUM_ENVS
     assert len(replay["videos"]) == 2
     import av
+
     with av.open(replay["videos"][0]) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == env.episode_limit + 1 and frames[0].shape == (32, 32, 3)
     from PIL import Image
+
     grid = np.asarray(Image.open(replay["frame_grid"]))
     assert grid.shape == (2 * 32 + 2, 4 * 32 + 3 * 2, 3) and grid.std() > 5
 
@@ -125,6 +129,17 @@ def test_sharded_evaluation_over_data_axis_matches(setup, caplog):
     assert len(set(np.asarray(result.length).tolist())) > 1  # episodes of different lengths: a real check
 
 
+def test_evaluators_of_one_env_share_its_renderers(setup):
+    env = setup.env
+    config = eval_lib.EvalConfig(num_envs=NUM_ENVS, execute_steps=EXECUTE, num_videos=2)
+    built = len(env.renderers)
+    again = eval_lib.Evaluator(env, replay_act, config)  # builds nothing new: the fixture's are reused
+    assert len(env.renderers) == built and "_eval_renderers" not in vars(env)
+    kind = render_lib.resolve_kind(env.config.renderer)
+    assert again._renderer(env.cameras) is env.renderer(env.cameras, kind=kind)
+    assert again._renderer(("scene",)) is env.renderer(("scene",), kind=kind)
+
+
 def test_bad_policy_output_and_config_are_rejected(setup):
     env = setup.env
     with pytest.raises(ValueError, match="execute_steps"):
@@ -132,7 +147,10 @@ def test_bad_policy_output_and_config_are_rejected(setup):
     with pytest.raises(ValueError, match="divide evenly"):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
         eval_lib.Evaluator(env, replay_act, eval_lib.EvalConfig(num_envs=6), mesh=mesh)
-    bad = eval_lib.Evaluator(env, lambda obs, rng: jnp.zeros((NUM_ENVS, 2, env.action_dim)),
-                             eval_lib.EvalConfig(num_envs=NUM_ENVS, execute_steps=EXECUTE, num_videos=0))
+    bad = eval_lib.Evaluator(
+        env,
+        lambda obs, rng: jnp.zeros((NUM_ENVS, 2, env.action_dim)),
+        eval_lib.EvalConfig(num_envs=NUM_ENVS, execute_steps=EXECUTE, num_videos=0),
+    )
     with pytest.raises(ValueError, match="act must return"):
         jax.eval_shape(lambda k: bad._program(False)(k, None), jax.random.key(0))

@@ -4,6 +4,7 @@ Real Playground is not installable offline, so the loading path runs against
 ``tests/fake_playground``: the same API surface, one tiny primitive-only env stepped by
 MJX's JAX backend and drawn by the ray-caster, so it compiles in seconds.
 """
+
 import importlib.util
 import pathlib
 import shutil
@@ -60,8 +61,13 @@ def fake_playground(tmp_path, monkeypatch):
 
 
 def _load(menagerie, **kwargs) -> playground.PlaygroundEnv:
-    return playground.load_playground_env("FakeSlideBox", config=CONFIG, menagerie_dir=menagerie,
-                                          instruction="slide the box onto the green marker", **kwargs)
+    return playground.load_playground_env(
+        "FakeSlideBox",
+        config=CONFIG,
+        menagerie_dir=menagerie,
+        instruction="slide the box onto the green marker",
+        **kwargs,
+    )
 
 
 def _unchanged(old: env_lib.EnvState, new: env_lib.EnvState) -> jax.Array:
@@ -69,14 +75,30 @@ def _unchanged(old: env_lib.EnvState, new: env_lib.EnvState) -> jax.Array:
 
     (A chosen set of fields: comparing every mjx.Data field inside the scan doubles its compile time.)
     """
+
     def fields(states):
         pg = states.info["playground"]
-        return (states.data.qpos, states.data.qvel, states.data.ctrl, states.data.time, states.step, states.reward,
-                states.success, states.done, pg.data.qpos, pg.obs, pg.reward, pg.done, pg.metrics,
-                jax.random.key_data(pg.info["rng"]))
+        return (
+            states.data.qpos,
+            states.data.qvel,
+            states.data.ctrl,
+            states.data.time,
+            states.step,
+            states.reward,
+            states.success,
+            states.done,
+            pg.data.qpos,
+            pg.obs,
+            pg.reward,
+            pg.done,
+            pg.metrics,
+            jax.random.key_data(pg.info["rng"]),
+        )
 
-    equal = [(a == b).reshape(a.shape[0], -1).all(1) for a, b in zip(jax.tree.leaves(fields(old)),
-                                                                      jax.tree.leaves(fields(new)))]
+    equal = [
+        (a == b).reshape(a.shape[0], -1).all(1)
+        for a, b in zip(jax.tree.leaves(fields(old)), jax.tree.leaves(fields(new)), strict=True)
+    ]
     return jnp.stack(equal).all(0)
 
 
@@ -120,8 +142,11 @@ def test_ensure_assets_links_menagerie_then_env_loads(fake_playground, tmp_path,
 
 def test_unknown_or_inconsistent_env_is_rejected(fake_playground):
     _, menagerie = fake_playground
-    with pytest.raises(ValueError, match=r"'PandaPickCube' is not a Playground manipulation env; "
-                                         r"available: \['FakeSlideBox'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"'PandaPickCube' is not a Playground manipulation env; "
+        r"available: \['FakeSlideBox'\]",
+    ):
         playground.load_playground_env("PandaPickCube", config=CONFIG, menagerie_dir=menagerie)
     with pytest.raises(ValueError, match="contradicts EnvConfig.physics"):
         _load(menagerie, config_overrides={"impl": "warp"})
@@ -165,7 +190,7 @@ def test_reset_step_observe_latch_success_and_freeze_done_worlds(fake_playground
     first = int(np.argmax(done[:, 0]))
     assert 0 < first < 12 and success[first, 0]
     assert success[first:, 0].all() and done[first:, 0].all() and (step[first:, 0] == first + 1).all()
-    assert unchanged[first + 1:, 0].all() and not unchanged[:first + 1, 0].any()  # even when driven away
+    assert unchanged[first + 1 :, 0].all() and not unchanged[: first + 1, 0].any()  # even when driven away
 
     assert not success[:, 1].any() and not done[:, 1].any() and step[-1, 1] == len(actions)
 

@@ -3,6 +3,7 @@
 Scenes are set up on the CPU (``mujoco.MjData``) and moved onto MJX with ``put_data``,
 so no physics is compiled here: only the renderers.
 """
+
 import jax
 import jax.numpy as jnp
 import mujoco
@@ -25,16 +26,22 @@ def _scene_states(env):
     datas = []
     for cube_shift, arm_shift in ((0.0, 0.0), (-0.16, 0.0), (0.0, 0.12)):
         d = mujoco.MjData(m)
-        d.qpos[cube:cube + 3] = CUBE_START + np.array([cube_shift, 0, 0])
-        d.qpos[cube + 3:cube + 7] = [1, 0, 0, 0]
+        d.qpos[cube : cube + 3] = CUBE_START + np.array([cube_shift, 0, 0])
+        d.qpos[cube + 3 : cube + 7] = [1, 0, 0, 0]
         d.qpos[0:5] = [-0.05 + arm_shift, -0.05, 0.15, 0.045, 0.045]
         d.mocap_pos[m.body_mocapid[m.body("goal").id]] = [-0.1, -0.1, 0.001]
         mujoco.mj_forward(m, d)
         datas.append(d)
     data = jax.tree.map(lambda *xs: jnp.stack(xs), *[mjx.put_data(m, d) for d in datas])
     n = len(datas)
-    states = env_lib.EnvState(data=data, info={}, step=jnp.zeros(n, jnp.int32), reward=jnp.zeros(n),
-                              success=jnp.zeros(n, bool), done=jnp.zeros(n, bool))
+    states = env_lib.EnvState(
+        data=data,
+        info={},
+        step=jnp.zeros(n, jnp.int32),
+        reward=jnp.zeros(n),
+        success=jnp.zeros(n, bool),
+        done=jnp.zeros(n, bool),
+    )
     return states, datas
 
 
@@ -87,12 +94,18 @@ def test_images_change_when_object_or_robot_moves(rendered):
 def test_cube_appears_where_the_camera_model_projects_it(rendered):
     kind, env, images, datas = rendered
     for world, d in enumerate(datas[:2]):
-        cube = d.qpos[env.mj_model.joint("cube").qposadr[0]:][:3]
+        cube = d.qpos[env.mj_model.joint("cube").qposadr[0] :][:3]
         rows, cols = np.nonzero(_blue_mask(images["scene"][world]))
         assert rows.size > 0, f"{kind}: no cube pixels in world {world}"
         row, col = _project(env.mj_model, d, "scene", cube)
-        assert abs(rows.mean() - row) < 2.5 and abs(cols.mean() - col) < 2.5, (kind, world, rows.mean(), row,
-                                                                             cols.mean(), col)
+        assert abs(rows.mean() - row) < 2.5 and abs(cols.mean() - col) < 2.5, (
+            kind,
+            world,
+            rows.mean(),
+            row,
+            cols.mean(),
+            col,
+        )
 
 
 @pytest.mark.skipif(len(KINDS) < 2, reason="Warp not installed")
@@ -109,3 +122,20 @@ def test_bad_renderer_name_is_rejected():
     env = env_lib.Env("reach", env_lib.EnvConfig(renderer="opengl"))
     with pytest.raises(ValueError, match="renderer must be"):
         env.renderer()
+
+
+def test_renderers_are_owned_by_the_env_and_bounded():
+    env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(8, 8), renderer="raycast", shadows=False))
+    assert isinstance(env.renderers, render_lib.RendererCache)
+    every = env.renderer()
+    assert every.cameras == env.cameras and env.renderer(env.cameras, kind="raycast") is every
+    scene = env.renderer(("scene",))
+    assert scene is not every and len(env.renderers) == 2
+    cache = render_lib.RendererCache(env.mj_model, 8, 8, shadows=False, maxsize=2)
+    a, b = cache.get("raycast", ("scene",)), cache.get("raycast", env.cameras)
+    assert cache.get("raycast", ("scene",)) is a  # a is now the most recently used
+    cache.get("raycast", ("wrist",))  # evicts b
+    assert len(cache) == 2 and cache.get("raycast", ("scene",)) is a
+    assert cache.get("raycast", env.cameras) is not b
+    with pytest.raises(ValueError, match="renderer must be"):
+        cache.get("opengl", ("scene",))

@@ -4,6 +4,7 @@ One batched rollout per task (64 expert episodes + 8 random-policy episodes in t
 jitted program, ``sim_reference.py``) is shared by every test of that task through a
 module-scoped fixture.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,10 +62,10 @@ def _numpy_success(task, qpos, info):
     """The task's success predicate rewritten in NumPy over qpos [T, B, nq]."""
     if task.name == "reach":
         return np.linalg.norm(qpos[..., 0:3] - info["target"][None], axis=-1) < 0.03
-    obj_name, arm_qpos, half_z = (("cube", 0, 0.02) if task.name == "pick_place" else ("bar", 5, 0.02))
+    obj_name, arm_qpos, half_z = ("cube", 0, 0.02) if task.name == "pick_place" else ("bar", 5, 0.02)
     adr = task.model.joint(obj_name).qposadr[0]
-    obj = qpos[..., adr:adr + 3]
-    grip = qpos[..., arm_qpos + 3:arm_qpos + 5].mean(-1) / 0.045
+    obj = qpos[..., adr : adr + 3]
+    grip = qpos[..., arm_qpos + 3 : arm_qpos + 5].mean(-1) / 0.045
     on_goal = np.linalg.norm(obj[..., :2] - info["goal"][None, :, :2], axis=-1) < 0.03
     return on_goal & (obj[..., 2] < half_z + 0.01) & (grip > 0.8)
 
@@ -84,13 +85,13 @@ def test_reset_and_step_deterministic_and_batched_equals_unbatched(run):
     for b in (0, EXPERT_EPISODES):  # one expert world, one random world
         first = jax.tree.map(np.asarray, run.single(run.reset_keys[b], actions[:, b]))
         again = jax.tree.map(np.asarray, run.single(run.reset_keys[b], actions[:, b]))
-        for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
             np.testing.assert_array_equal(x, y)
         reset_qpos, info, qpos = first
         np.testing.assert_allclose(reset_qpos, run.traj.qpos[0, b], atol=1e-6)
         for key, value in info.items():
             np.testing.assert_allclose(value, run.traj.info[key][b], atol=1e-6)
-        np.testing.assert_allclose(qpos, run.traj.qpos[1:CHECK_STEPS + 1, b], atol=2e-4)
+        np.testing.assert_allclose(qpos, run.traj.qpos[1 : CHECK_STEPS + 1, b], atol=2e-4)
 
 
 def test_different_seeds_give_different_scenes(run):

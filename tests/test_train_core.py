@@ -1,4 +1,5 @@
 """Training core on the 8-device CPU mesh: mesh invariance, shardings, non-finite steps, config errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,12 +10,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from embodied_jax.config_registry import register
+from embodied_jax.data.iterator import BatchIterator
+from embodied_jax.models.toy_flow import ToyFlowConfig, ToyFlowPolicy
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.parallel.sharding import global_batch
 from embodied_jax.train import loop
-from embodied_jax.train.config import SyntheticData
+from embodied_jax.train.config import Evaluation, SyntheticData
 from experiments import launch
-from experiments.toy_flow_policy import ToyFlowConfig, ToyFlowPolicy
 from tests.train_utils import TOY, losses, replace_train, toy_config
 
 MESHES = {
@@ -80,7 +83,11 @@ def test_non_finite_batch_leaves_state_untouched(nan_setup):
         with jax.transfer_guard("disallow"):
             state, metrics = step(state, batch)
     after = jax.device_get(state)
-    for a, b in zip(jax.tree.leaves((before.params, before.opt_state)), jax.tree.leaves((after.params, after.opt_state))):
+    for a, b in zip(
+        jax.tree.leaves((before.params, before.opt_state)),
+        jax.tree.leaves((after.params, after.opt_state)),
+        strict=True,
+    ):
         np.testing.assert_array_equal(a, b)
     assert int(after.step) == int(before.step) + 1
     assert int(after.skips) == 2 and int(after.total_skips) == 2
@@ -98,10 +105,7 @@ class NaNAfter(SyntheticData):
         inner = super().make_iterator(**kw)
         start = self.start
 
-        class It:
-            def __iter__(self):
-                return self
-
+        class It(BatchIterator):
             def __next__(self):
                 n = inner.get_state()["next_batch"]
                 batch = next(inner)
@@ -109,8 +113,11 @@ class NaNAfter(SyntheticData):
                     batch["state"] = batch["state"] * np.nan
                 return batch
 
-            get_state = inner.get_state
-            set_state = inner.set_state
+            def get_state(self):
+                return inner.get_state()
+
+            def set_state(self, state):
+                inner.set_state(state)
 
         return It()
 
@@ -169,8 +176,9 @@ def test_help_lists_experiments(capsys):
 def _run_steps(config, steps=2):
     rt = loop.build(config)
     state = loop.initial_state(rt)
-    it = config.data.make_iterator(model=config.model, process_index=0, process_count=1,
-                                   batch_size=config.train.batch_size, seed=config.train.seed)
+    it = config.data.make_iterator(
+        model=config.model, process_index=0, process_count=1, batch_size=config.train.batch_size, seed=config.train.seed
+    )
     with rt.context():
         step = None
         for _ in range(steps):
@@ -183,8 +191,10 @@ def _run_steps(config, steps=2):
 
 def test_frozen_parameters_get_no_gradient_and_no_optimizer_state(tmp_path):
     config = toy_config(tmp_path, mesh=MeshConfig(data=2, fsdp=4))
-    config = dataclasses.replace(config, optimizer=dataclasses.replace(
-        config.optimizer, freeze=(r"^blocks/", r"^time_"), frozen_dtype="bfloat16"))
+    config = dataclasses.replace(
+        config,
+        optimizer=dataclasses.replace(config.optimizer, freeze=(r"^blocks/", r"^time_"), frozen_dtype="bfloat16"),
+    )
     rt = loop.build(config)
     assert set(rt.abstract_state.params) == {"inp", "out"}
     assert set(rt.abstract_state.frozen) == {"blocks", "time_proj", "time_out"}
@@ -195,7 +205,7 @@ def test_frozen_parameters_get_no_gradient_and_no_optimizer_state(tmp_path):
     frozen_before = jax.device_get(state.frozen)
     trainable_before = jax.device_get(state.params)
     _, _, state, _ = _run_steps(config)
-    for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(jax.device_get(state.frozen))):
+    for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(jax.device_get(state.frozen)), strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(trainable_before["out"]["kernel"], np.asarray(state.params["out"]["kernel"]))
 
@@ -221,7 +231,9 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     _, _, two, m2 = _run_steps(accum, steps=2)
     assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
     assert float(m2["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=1e-4)
-    for a, b in zip(jax.tree.leaves(jax.device_get(one.params)), jax.tree.leaves(jax.device_get(two.params))):
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(one.params)), jax.tree.leaves(jax.device_get(two.params)), strict=True
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -236,8 +248,11 @@ def test_schedules_and_decay_mask():
     assert float(cosine(110)) == pytest.approx(0.1)
     constant = make_schedule(OptimizerConfig(lr=2.0, schedule="constant", warmup_steps=4), total_steps=100)
     assert [float(constant(s)) for s in (0, 2, 4, 50)] == pytest.approx([0.0, 1.0, 2.0, 2.0])
-    params = {"layer": {"kernel": np.zeros((2, 2)), "bias": np.zeros(2)}, "norm": {"scale": np.zeros((2, 2))},
-              "embed": {"embedding": np.zeros((4, 2))}}
+    params = {
+        "layer": {"kernel": np.zeros((2, 2)), "bias": np.zeros(2)},
+        "norm": {"scale": np.zeros((2, 2))},
+        "embed": {"embedding": np.zeros((4, 2))},
+    }
     mask = decay_mask(OptimizerConfig(), params)
     assert mask == {"layer": {"kernel": True, "bias": False}, "norm": {"scale": False}, "embed": {"embedding": False}}
 
@@ -249,23 +264,31 @@ def test_ema_tracks_parameters(tmp_path):
     np.testing.assert_allclose(np.asarray(after.ema["out"]["kernel"]), expected, rtol=1e-6, atol=1e-7)
 
 
-class _RecordWeights:
-    """An in-training evaluation that keeps the output kernel of the model it is given."""
+_RECORDED: dict = {}
 
-    def __init__(self):
-        self.kernels = {}
 
-    def evaluate(self, model, step, *, config, norm_stats):
-        self.kernels[step] = np.asarray(model.out.kernel[...])
-        return {"score": float(step)}
+@register
+@dataclasses.dataclass(frozen=True)
+class RecordWeights(Evaluation):
+    """An in-training evaluation that keeps the output kernel of the model it is given (in ``_RECORDED``)."""
+
+    def start(self, model, *, config, norm_stats):
+        _RECORDED["starts"] = _RECORDED.get("starts", 0) + 1
+
+        def run(model, step):
+            _RECORDED[step] = np.asarray(model.out.kernel[...])
+            return {"score": float(step)}
+
+        return run
 
 
 def test_in_training_evaluation_sees_the_ema_weights(tmp_path):
     config = toy_config(tmp_path, mesh=MeshConfig(data=8), ema_decay=0.5)
     _, _, after, _ = _run_steps(config, steps=2)
-    recorder = _RecordWeights()
-    result = loop.train(dataclasses.replace(replace_train(config, steps=2, eval_every=2), evaluation=recorder))
+    _RECORDED.clear()
+    result = loop.train(dataclasses.replace(replace_train(config, steps=2, eval_every=1), evaluation=RecordWeights()))
     ema, raw = np.asarray(after.ema["out"]["kernel"]), np.asarray(after.params["out"]["kernel"])
-    np.testing.assert_allclose(recorder.kernels[2], ema, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(_RECORDED[2], ema, rtol=1e-6, atol=1e-7)
     assert not np.allclose(ema, raw)
     assert any(h.get("eval/score") == 2.0 for h in result.history)
+    assert _RECORDED["starts"] == 1 and 1 in _RECORDED  # started once, kept for the run

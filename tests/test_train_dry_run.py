@@ -1,4 +1,5 @@
 """``--dry-run``: parameter counts and per-device bytes from sharded shapes, nothing allocated."""
+
 from __future__ import annotations
 
 import re
@@ -13,14 +14,24 @@ from tests.train_utils import toy_config
 
 def toy_parameter_count(width, hidden, depth, state_dim=8, action_dim=4, horizon=8):
     flat = horizon * action_dim
-    return ((flat + state_dim) * width + width + 2 * (width * width + width)
-            + depth * (2 * width * hidden + hidden + width) + width * flat + flat)
+    return (
+        (flat + state_dim) * width
+        + width
+        + 2 * (width * width + width)
+        + depth * (2 * width * hidden + hidden + width)
+        + width * flat
+        + flat
+    )
 
 
 def test_dry_run_of_a_billion_parameter_model_shards_and_allocates_nothing(repo_root, subprocess_env):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.launch", "toy_large", "--dry-run", "--mesh.data", "1", "--mesh.fsdp", "8"],
-        env=subprocess_env, capture_output=True, text=True, timeout=300, cwd=repo_root,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=repo_root,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -38,12 +49,18 @@ def test_dry_run_of_a_billion_parameter_model_shards_and_allocates_nothing(repo_
 
 def test_dry_run_compile_reports_xla_memory(tmp_path):
     lines = []
-    result = report(loop.build(toy_config(tmp_path, mesh=MeshConfig(data=1, fsdp=8))), compile=True, out=lines.append,
-                    gpu_memory_gb=1.0)
+    result = report(
+        loop.build(toy_config(tmp_path, mesh=MeshConfig(data=1, fsdp=8))),
+        compile=True,
+        out=lines.append,
+        gpu_memory_gb=1.0,
+    )
     assert result["parameters"] == toy_parameter_count(64, 128, 2)
     assert result["backend"] == "cpu"
-    assert any(re.match(r"XLA memory analysis \(cpu, per device\): argument_size=.*temp_size=[\d.]+ GiB", line)
-               for line in lines)
+    assert any(
+        re.match(r"XLA memory analysis \(cpu, per device\): argument_size=.*temp_size=[\d.]+ GiB", line)
+        for line in lines
+    )
     assert result["memory_analysis"]["argument_size_in_bytes"] > 0
     assert any(line.startswith("largest buffers live at the memory peak") for line in lines)
     assert result["collectives"]["all-gather"]["count"] > 0  # fsdp=8: parameters are gathered

@@ -3,6 +3,7 @@
 Hybrid meshes put the data or the fsdp axis across the two processes (``--mesh.dcn-*``);
 checkpoints move between the two layouts; each process reads only its shard of a dataset.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,11 @@ def _run_processes(commands: list[list[str]], env: dict, logs: pathlib.Path, tim
         f.seek(0)
         outs.append(f.read())
         f.close()
-    failed = [f"process {i} exited with {p.returncode}:\n{out[-2000:]}" for i, (p, out) in enumerate(zip(procs, outs))
-              if p.returncode]
+    failed = [
+        f"process {i} exited with {p.returncode}:\n{out[-2000:]}"
+        for i, (p, out) in enumerate(zip(procs, outs, strict=True))
+        if p.returncode
+    ]
     assert not failed, (f"killed after {timeout} s\n" if timed_out else "") + "\n".join(failed)
     return outs
 
@@ -82,11 +86,32 @@ def _two_process_env(subprocess_env: dict) -> dict:
 def _launch_two(tmp: pathlib.Path, args: list[str], env: dict, checkpoints: pathlib.Path | None) -> list[str]:
     """``experiments.launch`` in 2 processes; separate workdirs, one checkpoint directory (a shared filesystem)."""
     port = _free_port()
-    ckpt = (["--checkpoint.directory", str(checkpoints), "--checkpoint.save-every", str(SAVE_EVERY)]
-            if checkpoints else ["--checkpoint.no-enabled"])
-    commands = [[sys.executable, "-m", "experiments.launch", *TOY_CLI, "--train.steps", str(STEPS), *args, *ckpt,
-                 "--workdir", str(tmp / f"p{pid}"), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                 "--process-id", str(pid)] for pid in range(2)]
+    ckpt = (
+        ["--checkpoint.directory", str(checkpoints), "--checkpoint.save-every", str(SAVE_EVERY)]
+        if checkpoints
+        else ["--checkpoint.no-enabled"]
+    )
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "experiments.launch",
+            *TOY_CLI,
+            "--train.steps",
+            str(STEPS),
+            *args,
+            *ckpt,
+            "--workdir",
+            str(tmp / f"p{pid}"),
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(pid),
+        ]
+        for pid in range(2)
+    ]
     return _run_processes(commands, _two_process_env(env), tmp / "logs")
 
 
@@ -100,8 +125,9 @@ def _assert_losses(got: dict[int, float], expected: dict[int, float], steps) -> 
 def reference(tmp_path_factory):
     """One process, 8 devices (data=2 × fsdp=4): losses and checkpoints at steps 2 and 4."""
     workdir = tmp_path_factory.mktemp("single")
-    result = loop.train(toy_config(workdir, steps=STEPS, mesh=MeshConfig(data=2, fsdp=4), checkpoint=True,
-                                   save_every=SAVE_EVERY))
+    result = loop.train(
+        toy_config(workdir, steps=STEPS, mesh=MeshConfig(data=2, fsdp=4), checkpoint=True, save_every=SAVE_EVERY)
+    )
     return losses(result.history), result.checkpoint_dir
 
 
@@ -129,8 +155,9 @@ def test_two_process_checkpoint_restores_in_one_process(tmp_path, dcn_data_run, 
     assert {p.name for p in data.glob("*.json")} == {"process_0-of-2.json", "process_1-of-2.json"}
     shutil.copytree(dcn_data_run[1] / str(SAVE_EVERY), tmp_path / "checkpoints" / str(SAVE_EVERY))
     # Another mesh as well (fsdp=8): the restore reshards the state.
-    result = loop.train(toy_config(tmp_path, steps=STEPS, mesh=MeshConfig(data=1, fsdp=8), checkpoint=True,
-                                   save_every=SAVE_EVERY))
+    result = loop.train(
+        toy_config(tmp_path, steps=STEPS, mesh=MeshConfig(data=1, fsdp=8), checkpoint=True, save_every=SAVE_EVERY)
+    )
     assert result.restored_from == SAVE_EVERY
     # The continued losses equal the uninterrupted run's: parameters, optimizer state and data position restored.
     _assert_losses(losses(result.history), reference[0], range(SAVE_EVERY + 1, STEPS + 1))
@@ -156,8 +183,13 @@ def dataset(tmp_path_factory):
 
 def _data_config(root) -> DataConfig:
     # No read-ahead: a process loads exactly the samples it yields.
-    return DataConfig(sources=(SourceConfig(str(root)),), spec=SampleSpec(action_horizon=2), image_size=None,
-                      read_threads=0, read_buffer=0)
+    return DataConfig(
+        sources=(SourceConfig(str(root)),),
+        spec=SampleSpec(action_horizon=2),
+        image_size=None,
+        read_threads=0,
+        read_buffer=0,
+    )
 
 
 def test_iterator_state_and_process_count(tmp_path, dataset):
@@ -166,8 +198,9 @@ def test_iterator_state_and_process_count(tmp_path, dataset):
     handler = IteratorStateHandler()
     saved = epath.Path(tmp_path)
     for index in range(2):
-        with make_data_iterator(_data_config(dataset), process_index=index, process_count=2, batch_size=2,
-                                seed=0) as it:
+        with make_data_iterator(
+            _data_config(dataset), process_index=index, process_count=2, batch_size=2, seed=0
+        ) as it:
             next(it)
             (saved / f"process_{index}-of-2.json").write_text(json.dumps(it.get_state()))
     with make_data_iterator(_data_config(dataset), process_index=0, process_count=1, batch_size=4, seed=0) as it:
@@ -194,7 +227,8 @@ from embodied_jax.data.pipeline import DataConfig, SourceConfig
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.synthetic import decode_frame_id
 from embodied_jax.parallel import distributed
-from experiments.data_sources import LeRobotData, ModelInputs
+from embodied_jax.data.sample_transform import ModelInputs
+from embodied_jax.data.sources import LeRobotData
 
 root, coordinator, pid, out, batch_size, batches = sys.argv[1:]
 distributed.initialize(distributed.DistributedConfig(coordinator=coordinator, num_processes=2, process_id=int(pid)))
@@ -228,8 +262,20 @@ def test_each_process_reads_only_its_shard(tmp_path, dataset, subprocess_env):
     batch_size, epoch = 8, sum(LENGTHS)  # 4 samples per process per batch
     batches = epoch // batch_size
     port = _free_port()
-    commands = [[sys.executable, "-c", _DATA_WORKER, str(dataset), f"127.0.0.1:{port}", str(pid),
-                 str(tmp_path / f"p{pid}.json"), str(batch_size), str(batches)] for pid in range(2)]
+    commands = [
+        [
+            sys.executable,
+            "-c",
+            _DATA_WORKER,
+            str(dataset),
+            f"127.0.0.1:{port}",
+            str(pid),
+            str(tmp_path / f"p{pid}.json"),
+            str(batch_size),
+            str(batches),
+        ]
+        for pid in range(2)
+    ]
     _run_processes(commands, _two_process_env(subprocess_env), tmp_path / "logs", timeout=180)
     starts = np.concatenate([[0], np.cumsum(LENGTHS)])
     shards = []

@@ -1,4 +1,5 @@
 """GR00T-N1.5 weight import/export: the full-size table, both layouts, sharded files, errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.gr00t import Gr00tConfig
+from embodied_jax.models.gr00t_action_head import ActionHeadConfig
+from embodied_jax.models.qwen3 import Qwen3Config
+from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.models.weights.common import WeightMismatchError, flatten_params, plan, unflatten_params
 from embodied_jax.models.weights.gr00t_n15 import detect_layout, export_params, import_params, make_layout
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
@@ -20,11 +25,23 @@ from embodied_jax.parallel.sharding import mesh_context
 # copy of shared/reference/groot_n15_params.tsv (LeRobot GrootPolicy state_dict, N1.5 architecture)
 TSV = Path(__file__).resolve().parent / "data" / "groot_n15_params.tsv"
 TINY = Gr00tConfig(
-    image_size=28, patch_size=14, vision_width=16, vision_layers=2, vision_heads=2, vision_mlp_dim=24,
-    llm_width=32, llm_layers=3, select_layer=2, llm_heads=4, llm_kv_heads=2, llm_head_dim=8, llm_mlp_dim=40,
-    vocab_size=64, image_token_id=63, max_token_len=40, action_dim=5, action_horizon=3, max_state_dim=6,
-    hidden_size=12, input_embedding_dim=16, max_num_embodiments=3, num_future_tokens=2, max_seq_len=8,
-    dit_layers=4, dit_heads=2, dit_head_dim=8, dit_output_dim=12, vl_layers=2, vl_heads=4, vl_head_dim=8,
+    vision=SiglipConfig(width=16, depth=2, num_heads=2, mlp_dim=24, patch_size=14, image_size=28),
+    llm=Qwen3Config(width=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=40, vocab_size=64),
+    select_layer=2,
+    image_token_id=63,
+    max_token_len=40,
+    action_head=ActionHeadConfig(
+        hidden_size=12,
+        input_embedding_dim=16,
+        max_num_embodiments=3,
+        num_future_tokens=2,
+        max_seq_len=8,
+        dit=DiTConfig(num_layers=4, num_heads=2, head_dim=8, output_dim=12),
+        vl_self_attention=VLSelfAttentionConfig(num_layers=2, num_heads=4, head_dim=8),
+    ),
+    action_dim=5,
+    action_horizon=3,
+    max_state_dim=6,
     synthetic_text_tokens=(2, 4),
 )
 
@@ -46,7 +63,7 @@ def _abstract_params(cfg):
     return nnx.state(abstract, nnx.Param)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _full_leaf_shapes(scan: bool):
     flat, _ = flatten_params(_abstract_params(dataclasses.replace(Gr00tConfig(), scan_layers=scan)))
     return {k: tuple(v.shape) for k, v in flat.items()}
@@ -110,8 +127,12 @@ def test_both_layouts_round_trip_bit_identically(tmp_path):
     original = load_file(str(nvidia))
     original["backbone.eagle_model.vision_model.vision_model.head.probe"] = np.ones((1, 1, 16), np.float32)
     save_file(original, str(tmp_path / "with_head.safetensors"))
-    again = export_params(_import(tmp_path / "with_head.safetensors", abstract), tmp_path / "again",
-                          layout="nvidia", like=tmp_path / "with_head.safetensors")
+    again = export_params(
+        _import(tmp_path / "with_head.safetensors", abstract),
+        tmp_path / "again",
+        layout="nvidia",
+        like=tmp_path / "with_head.safetensors",
+    )
     _assert_same(load_file(str(again)), original)
 
     # NVIDIA's sharded form: two files and model.safetensors.index.json
@@ -119,7 +140,7 @@ def test_both_layouts_round_trip_bit_identically(tmp_path):
     sharded.mkdir()
     names = sorted(original)
     weight_map = {}
-    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
         fname = f"model-0000{i + 1}-of-00002.safetensors"
         save_file({n: original[n] for n in part}, str(sharded / fname))
         weight_map.update({n: fname for n in part})
@@ -131,10 +152,12 @@ def test_both_layouts_round_trip_bit_identically(tmp_path):
     flat_un = flatten_params(unscanned)[0]
     np.testing.assert_array_equal(
         flat_un["action_head.model.transformer_blocks.1.self_block.attn1.to_q.kernel"],
-        flat["action_head.model.transformer_blocks.self_block.attn1.to_q.kernel"][1])
+        flat["action_head.model.transformer_blocks.self_block.attn1.to_q.kernel"][1],
+    )
     np.testing.assert_array_equal(
         flat_un["backbone.eagle_model.language_model.layers.1.mlp.up_proj.kernel"],
-        flat["backbone.eagle_model.language_model.layers.mlp.up_proj.kernel"][1])
+        flat["backbone.eagle_model.language_model.layers.mlp.up_proj.kernel"][1],
+    )
 
 
 def test_either_tied_embedding_name_is_accepted(tmp_path):
@@ -145,8 +168,10 @@ def test_either_tied_embedding_name_is_accepted(tmp_path):
     tensors[lm + "model.embed_tokens.weight"] = tensors.pop(lm + "lm_head.weight")
     save_file(tensors, str(tmp_path / "renamed.safetensors"))
     got = flatten_params(_import(tmp_path / "renamed.safetensors", _abstract_params(TINY)))[0]
-    np.testing.assert_array_equal(got["backbone.eagle_model.language_model.embed_tokens.embedding"],
-                                  flat["backbone.eagle_model.language_model.embed_tokens.embedding"])
+    np.testing.assert_array_equal(
+        got["backbone.eagle_model.language_model.embed_tokens.embedding"],
+        flat["backbone.eagle_model.language_model.embed_tokens.embedding"],
+    )
 
 
 def test_missing_misshaped_and_unexpected_tensors_are_named(tmp_path):

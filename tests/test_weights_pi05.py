@@ -7,6 +7,7 @@
   and through the Orbax CKPT_DIR of ``convert``), the ignored tensor only with ``like=``.
 - A renamed, a missing and a mis-shaped tensor give an error naming each one.
 """
+
 import dataclasses
 import logging
 from pathlib import Path
@@ -16,17 +17,22 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from test_pi05_reference import CONFIG as TINY
+from test_pi05_reference import upstream_checkpoint
 
 from embodied_jax.models import convert
 from embodied_jax.models.pi05 import Pi05Config
 from embodied_jax.models.weights.common import (
-    CheckpointReader, WeightMismatchError, export_checkpoint, flatten_params, import_checkpoint, plan,
+    CheckpointReader,
+    WeightMismatchError,
+    export_checkpoint,
+    flatten_params,
+    import_checkpoint,
+    plan,
 )
 from embodied_jax.models.weights.pi05 import PI05_LAYOUT
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
-from test_pi05_reference import CONFIG as TINY
-from test_pi05_reference import upstream_checkpoint
 
 # A copy of shared/reference/pi05_params.tsv (LeRobot PI05Policy state_dict names and shapes).
 TSV = Path(__file__).resolve().parent / "data" / "pi05_params.tsv"
@@ -117,8 +123,19 @@ def test_convert_cli_round_trip_through_orbax(tiny, mesh, tmp_path, monkeypatch)
     convert.main(["--arch", "pi05_test", "--src", str(src), "--out", str(tmp_path / "ckpt")])
     restored = convert.load_params(tmp_path / "ckpt", TINY, mesh)
     np.testing.assert_array_equal(np.asarray(restored["time_mlp_in"]["kernel"]), sd["model.time_mlp_in.weight"].T)
-    convert.main(["--arch", "pi05_test", "--src", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back"),
-                  "--reverse", "--like", str(src)])
+    convert.main(
+        [
+            "--arch",
+            "pi05_test",
+            "--src",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(tmp_path / "back"),
+            "--reverse",
+            "--like",
+            str(src),
+        ]
+    )
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
     assert set(back) == set(sd)
     assert all(back[k].tobytes() == sd[k].tobytes() for k in sd)

@@ -1,21 +1,33 @@
 """Shared helpers of the training-core tests."""
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
 
+from embodied_jax.models.toy_flow import ToyFlowConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import (
-    CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig,
+    CheckpointConfig,
+    ExperimentConfig,
+    MetricsConfig,
+    OptimizerConfig,
+    TrainConfig,
 )
-from experiments.toy_flow_policy import ToyFlowConfig
 
 TOY = ToyFlowConfig(state_dim=8, action_dim=4, horizon=8, width=64, hidden=128, depth=2)
 
 
-def toy_config(workdir: pathlib.Path | str, *, steps: int = 3, mesh: MeshConfig = MeshConfig(),
-               save_every: int = 1000, checkpoint: bool = False, **train_kw) -> ExperimentConfig:
+def toy_config(
+    workdir: pathlib.Path | str,
+    *,
+    steps: int = 3,
+    mesh: MeshConfig = MeshConfig(),
+    save_every: int = 1000,
+    checkpoint: bool = False,
+    **train_kw,
+) -> ExperimentConfig:
     return ExperimentConfig(
         name="toy_test",
         model=TOY,
@@ -43,8 +55,23 @@ def replace_train(config: ExperimentConfig, **kw) -> ExperimentConfig:
 
 # Command-line overrides equivalent to ``toy_config`` for subprocess runs of the launcher.
 TOY_CLI = [
-    "toy", "--model.width", "64", "--model.hidden", "128", "--model.depth", "2",
-    "--train.batch-size", "16", "--train.log-every", "1",
-    "--optimizer.lr", "1e-2", "--optimizer.warmup-steps", "2", "--optimizer.decay-steps", "20",
-    "--metrics.no-progress-bar", "--metrics.no-tensorboard",
+    "toy",
+    "--model.width",
+    "64",
+    "--model.hidden",
+    "128",
+    "--model.depth",
+    "2",
+    "--train.batch-size",
+    "16",
+    "--train.log-every",
+    "1",
+    "--optimizer.lr",
+    "1e-2",
+    "--optimizer.warmup-steps",
+    "2",
+    "--optimizer.decay-steps",
+    "20",
+    "--metrics.no-progress-bar",
+    "--metrics.no-tensorboard",
 ]

@@ -12,6 +12,7 @@ SOURCE and DESTINATION must be paths every node sees (a shared filesystem). A ta
 worker dies is retried; episodes that still fail are named in the error, and a re-run
 converts only them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,13 +24,13 @@ import os
 import pathlib
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from embodied_jax.data import framestore as fs
 from embodied_jax.data.lerobot import LeRobotDataset
-from embodied_jax.data.transforms import resize_with_pad
+from embodied_jax.nn.image import resize_with_pad
 
 
 @dataclasses.dataclass
@@ -48,10 +49,12 @@ def _summary(dataset: LeRobotDataset, image_size: tuple[int, int] | None, source
     modality = None
     if dataset.modality is not None:
         m = dataset.modality
-        modality = {"state": {k: {"start": a, "end": b, "original_key": m.state_key} for k, (a, b) in m.state.items()},
-                    "action": {k: {"start": a, "end": b, "original_key": m.action_key} for k, (a, b) in m.action.items()},
-                    "video": {k: {"original_key": v} for k, v in m.video.items()},
-                    "annotation": {k: {"original_key": v} for k, v in m.annotation.items()}}
+        modality = {
+            "state": {k: {"start": a, "end": b, "original_key": m.state_key} for k, (a, b) in m.state.items()},
+            "action": {k: {"start": a, "end": b, "original_key": m.action_key} for k, (a, b) in m.action.items()},
+            "video": {k: {"original_key": v} for k, v in m.video.items()},
+            "annotation": {k: {"original_key": v} for k, v in m.annotation.items()},
+        }
     return {
         "format": fs.FORMAT,
         "source": str(source.resolve()),
@@ -62,8 +65,10 @@ def _summary(dataset: LeRobotDataset, image_size: tuple[int, int] | None, source
         "image_size": list(image_size) if image_size else None,
         "features": {k: v for k, v in dataset.features.items() if v.get("dtype") not in ("video", "image")},
         "array_keys": sorted(dataset.arrays),
-        "episodes": [{"episode_index": int(e), "length": int(n)}
-                     for e, n in zip(dataset.episode_indices, dataset.episode_lengths)],
+        "episodes": [
+            {"episode_index": int(e), "length": int(n)}
+            for e, n in zip(dataset.episode_indices, dataset.episode_lengths, strict=True)
+        ],
         "modality": modality,
     }
 
@@ -72,8 +77,14 @@ _WORKER_DATASETS: dict[str, LeRobotDataset] = {}
 RAY_TASK_RETRIES = 3  # Ray re-runs an episode this often when its worker process or node dies
 
 
-def convert_episode(source: str, destination: str, episode_index: int, image_size: tuple[int, int] | None,
-                    tolerance_s: float, zstd_level: int) -> tuple[int, int]:
+def convert_episode(
+    source: str,
+    destination: str,
+    episode_index: int,
+    image_size: tuple[int, int] | None,
+    tolerance_s: float,
+    zstd_level: int,
+) -> tuple[int, int]:
     """Decodes, resizes, writes, reads back and checksums one episode; returns (episode, frames)."""
     dataset = _WORKER_DATASETS.get(source)
     if dataset is None:
@@ -90,16 +101,29 @@ def convert_episode(source: str, destination: str, episode_index: int, image_siz
         fs.write_array(path, frames, frames=True, zstd_level=zstd_level)
         stored = fs.read_array(path)
         if len(stored) != length or fs.checksum(stored) != fs.checksum(frames):
-            raise fs.FrameStoreError(f"{path}: episode {episode_index}, camera {key}: read-back differs from what was written")
+            raise fs.FrameStoreError(
+                f"{path}: episode {episode_index}, camera {key}: read-back differs from what was written"
+            )
         checksums[key] = fs.checksum(stored)
-    fs.atomic_write_json(destination / "done" / f"{fs.episode_name(episode_index)}.json",
-                          {"episode_index": int(episode_index), "length": length, "checksums": checksums})
+    fs.atomic_write_json(
+        destination / "done" / f"{fs.episode_name(episode_index)}.json",
+        {"episode_index": int(episode_index), "length": length, "checksums": checksums},
+    )
     return int(episode_index), length
 
 
-def convert(source: str | os.PathLike, destination: str | os.PathLike, *, image_size: tuple[int, int] | None = None,
-            workers: int | None = None, ray_address: str | None = None, episodes: Sequence[int] | None = None,
-            tolerance_s: float = 1e-4, zstd_level: int = 0, log=print) -> ConversionReport:
+def convert(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    image_size: tuple[int, int] | None = None,
+    workers: int | None = None,
+    ray_address: str | None = None,
+    episodes: Sequence[int] | None = None,
+    tolerance_s: float = 1e-4,
+    zstd_level: int = 0,
+    log=print,
+) -> ConversionReport:
     """Converts `source` (a LeRobot dataset) into a frame store at `destination`; resumable."""
     start = time.time()
     source, destination = pathlib.Path(source), pathlib.Path(destination)
@@ -110,8 +134,10 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, image_
         existing = json.loads(summary_path.read_text())
         for field in ("source", "image_size", "episodes", "cameras"):
             if existing.get(field) != summary[field]:
-                raise fs.FrameStoreError(f"{summary_path}: existing store has a different {field!r} "
-                                         f"({existing.get(field)!r} vs {summary[field]!r}); use a new destination")
+                raise fs.FrameStoreError(
+                    f"{summary_path}: existing store has a different {field!r} "
+                    f"({existing.get(field)!r} vs {summary[field]!r}); use a new destination"
+                )
     else:
         fs.atomic_write_json(summary_path, summary)
     arrays_done = destination / "arrays" / "done.json"
@@ -129,8 +155,10 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, image_
     done = [e for e in wanted if (destination / "done" / f"{fs.episode_name(e)}.json").exists()]
     todo = [e for e in wanted if e not in set(done)]
     log(f"convert {source} -> {destination}: {len(todo)} episodes to write, {len(done)} already done")
-    args = [(str(source), str(destination), e, tuple(image_size) if image_size else None, tolerance_s, zstd_level)
-            for e in todo]
+    args = [
+        (str(source), str(destination), e, tuple(image_size) if image_size else None, tolerance_s, zstd_level)
+        for e in todo
+    ]
     frames = 0
     if ray_address and args:
         frames = _convert_on_ray(ray_address, args)
@@ -140,7 +168,7 @@ def convert(source: str | os.PathLike, destination: str | os.PathLike, *, image_
     else:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            for episode, length in pool.map(convert_episode_star, args):
+            for _episode, length in pool.map(convert_episode_star, args):
                 frames += length
     report = ConversionReport(written=todo, skipped=done, frames=frames, seconds=time.time() - start)
     log(f"wrote {len(todo)} episodes ({frames} frames) in {report.seconds:.1f}s; skipped {len(done)}")
@@ -155,11 +183,10 @@ def _convert_on_ray(address: str, args: list[tuple]) -> int:
     """Runs `convert_episode` for each of `args` as Ray tasks; returns the frames written."""
     import ray  # optional dependency, only for cluster conversion
 
-    import embodied_jax
-
+    package = pathlib.Path(__file__).resolve().parents[1]  # embodied_jax/, shipped to the Ray workers
     connect = not ray.is_initialized()  # a caller's own connection (and runtime_env) is kept
     if connect:
-        ray.init(address=address, runtime_env={"py_modules": [str(pathlib.Path(embodied_jax.__file__).parent)]})
+        ray.init(address=address, runtime_env={"py_modules": [str(package)]})
     try:
         # errors raised by the conversion itself (a bad video) are not retried
         remote = ray.remote(max_retries=RAY_TASK_RETRIES)(convert_episode)
@@ -175,9 +202,11 @@ def _convert_on_ray(address: str, args: list[tuple]) -> int:
             ray.shutdown()
     if failed:
         first = min(failed)
-        raise fs.FrameStoreError(f"episodes {sorted(failed)} failed on the Ray cluster at {address} (episode {first}: "
-                                 f"{failed[first]}); finished episodes are kept: run the conversion again to "
-                                 f"retry the others") from failed[first]
+        raise fs.FrameStoreError(
+            f"episodes {sorted(failed)} failed on the Ray cluster at {address} (episode {first}: "
+            f"{failed[first]}); finished episodes are kept: run the conversion again to "
+            f"retry the others"
+        ) from failed[first]
     return frames
 
 
@@ -190,14 +219,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ray-address", help="convert on this Ray cluster instead of local processes")
     parser.add_argument("--episodes", type=int, nargs="*", help="only these episode indices")
     parser.add_argument("--tolerance-s", type=float, default=1e-4)
-    parser.add_argument("--zstd-level", type=int, default=0,
-                        help="compress frames with zstd at this level (0: uncompressed, fastest to read)")
-    parser.add_argument("--verify", action="store_true", help="re-read every episode and check its checksum after converting")
+    parser.add_argument(
+        "--zstd-level",
+        type=int,
+        default=0,
+        help="compress frames with zstd at this level (0: uncompressed, fastest to read)",
+    )
+    parser.add_argument(
+        "--verify", action="store_true", help="re-read every episode and check its checksum after converting"
+    )
     args = parser.parse_args(argv)
     try:
-        convert(args.source, args.destination, image_size=args.image_size, workers=args.workers,
-                ray_address=args.ray_address, episodes=args.episodes, tolerance_s=args.tolerance_s,
-                zstd_level=args.zstd_level)
+        convert(
+            args.source,
+            args.destination,
+            image_size=args.image_size,
+            workers=args.workers,
+            ray_address=args.ray_address,
+            episodes=args.episodes,
+            tolerance_s=args.tolerance_s,
+            zstd_level=args.zstd_level,
+        )
         if args.verify:
             verified = fs.verify_store(args.destination)
             print(f"verified {len(verified)} episodes, {sum(verified.values())} frames")

@@ -12,13 +12,15 @@ An episode without its `done` marker is (re)written by the next conversion; `ver
 re-reads every episode and compares with the recorded checksums. `FrameStore` offers the
 same frame-source interface as `LeRobotDataset`, so the pipeline yields identical samples.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -46,17 +48,35 @@ def array_spec(path: pathlib.Path, shape: Sequence[int], dtype: str, *, frames: 
     """zarr3 spec: frame arrays are one shard of per-frame chunks; others one plain chunk per 4096 rows."""
     shape = [int(s) for s in shape]
     if frames:
-        inner = [{"name": "bytes"}] + ([{"name": "zstd", "configuration": {"level": zstd_level}}] if zstd_level else []) + [{"name": "crc32c"}]
-        codecs = [{"name": "sharding_indexed", "configuration": {
-            "chunk_shape": [1] + shape[1:], "codecs": inner,
-            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]
+        inner = (
+            [{"name": "bytes"}]
+            + ([{"name": "zstd", "configuration": {"level": zstd_level}}] if zstd_level else [])
+            + [{"name": "crc32c"}]
+        )
+        codecs = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": [1] + shape[1:],
+                    "codecs": inner,
+                    "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                },
+            }
+        ]
         chunk = [max(1, shape[0])] + shape[1:]
     else:
         codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
         chunk = [max(1, min(shape[0], 4096))] + shape[1:]
-    return {"driver": "zarr3", "kvstore": _kvstore(path),
-            "metadata": {"shape": shape, "data_type": dtype, "codecs": codecs,
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}}}}
+    return {
+        "driver": "zarr3",
+        "kvstore": _kvstore(path),
+        "metadata": {
+            "shape": shape,
+            "data_type": dtype,
+            "codecs": codecs,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+        },
+    }
 
 
 def write_array(path: pathlib.Path, values: np.ndarray, *, frames: bool, zstd_level: int = 0) -> None:
@@ -111,10 +131,14 @@ class FrameStore:
         if not (self.root / "arrays" / "done.json").exists():
             raise FrameStoreError(f"{self.root}: per-frame arrays were not written (unfinished conversion)")
         if require_complete:
-            missing = [int(e) for e in self.episode_indices if not (self.root / "done" / f"{episode_name(e)}.json").exists()]
+            missing = [
+                int(e) for e in self.episode_indices if not (self.root / "done" / f"{episode_name(e)}.json").exists()
+            ]
             if missing:
-                raise FrameStoreError(f"{self.root}: episodes {missing[:10]}{'...' if len(missing) > 10 else ''} "
-                                      f"were not converted (run the conversion again to resume)")
+                raise FrameStoreError(
+                    f"{self.root}: episodes {missing[:10]}{'...' if len(missing) > 10 else ''} "
+                    f"were not converted (run the conversion again to resume)"
+                )
         try:
             self.arrays = {key: read_array(self.root / "arrays" / key) for key in self.summary["array_keys"]}
         except ValueError as exc:
@@ -134,7 +158,7 @@ class FrameStore:
         return self._position[int(episode_index)]
 
     def episode_array(self, position: int, key: str) -> np.ndarray:
-        return self.arrays[key][self.episode_starts[position]:self.episode_starts[position + 1]]
+        return self.arrays[key][self.episode_starts[position] : self.episode_starts[position + 1]]
 
     def task(self, position: int, frame_index: int) -> str:
         return self.tasks[int(self.arrays[fmt.TASK_INDEX][self.episode_starts[position] + frame_index])]
@@ -150,9 +174,13 @@ class FrameStore:
         episode = int(self.episode_indices[position])
         if store is None:
             try:
-                store = ts.open({"driver": "zarr3", "kvstore": _kvstore(self.frame_path(key, episode))}, open=True).result()
+                store = ts.open(
+                    {"driver": "zarr3", "kvstore": _kvstore(self.frame_path(key, episode))}, open=True
+                ).result()
             except ValueError as exc:
-                raise FrameStoreError(f"{self.frame_path(key, episode)}: cannot open frames of episode {episode} ({exc})") from exc
+                raise FrameStoreError(
+                    f"{self.frame_path(key, episode)}: cannot open frames of episode {episode} ({exc})"
+                ) from exc
             if len(self._stores) > 256:
                 self._stores.clear()
             self._stores[cache_key] = store
@@ -162,8 +190,10 @@ class FrameStore:
                 return store[int(frames[0])].read().result()[None]
             return store[frames].read().result()
         except ValueError as exc:
-            raise FrameStoreError(f"{self.frame_path(key, episode)}: episode {episode}, camera {key}: "
-                                  f"corrupted or unreadable chunk ({exc})") from exc
+            raise FrameStoreError(
+                f"{self.frame_path(key, episode)}: episode {episode}, camera {key}: "
+                f"corrupted or unreadable chunk ({exc})"
+            ) from exc
 
     def frame(self, position: int, frame_index: int) -> dict[str, Any]:
         row = self.episode_starts[position] + frame_index
@@ -194,10 +224,13 @@ def verify_store(root: str | pathlib.Path) -> dict[int, int]:
             try:
                 frames = read_array(path)
             except ValueError as exc:
-                raise FrameStoreError(f"{path}: episode {episode}, camera {key}: corrupted or unreadable chunk ({exc})") from exc
+                raise FrameStoreError(
+                    f"{path}: episode {episode}, camera {key}: corrupted or unreadable chunk ({exc})"
+                ) from exc
             if len(frames) != marker["length"] or len(frames) != store.episode_lengths[position]:
-                raise FrameStoreError(f"{path}: episode {episode}, camera {key}: {len(frames)} frames, "
-                                      f"expected {marker['length']}")
+                raise FrameStoreError(
+                    f"{path}: episode {episode}, camera {key}: {len(frames)} frames, expected {marker['length']}"
+                )
             if checksum(frames) != marker["checksums"][key]:
                 raise FrameStoreError(f"{path}: episode {episode}, camera {key}: checksum mismatch (corrupted data)")
         verified[episode] = int(store.episode_lengths[position])

@@ -6,12 +6,13 @@ frame's raw arrays as the reader returns them, before any transform: every state
 feature under its dataset key, each camera as uint8 HWC under its key, `timestamp`,
 `episode_index`, `frame_index` and `task` (a string).
 """
+
 from __future__ import annotations
 
 import argparse
 import pathlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -30,9 +31,14 @@ def open_source(path: str | pathlib.Path):
 
 def summary_lines(source) -> list[str]:
     is_store = isinstance(source, fs.FrameStore)
-    lines = [f"dataset: {source.root}",
-             f"format: {'frame store (from LeRobot ' + source.version + ')' if is_store else 'LeRobot ' + source.version}",
-             f"episodes: {source.num_episodes}", f"frames: {source.num_frames}", f"fps: {source.fps:g}", "features:"]
+    lines = [
+        f"dataset: {source.root}",
+        f"format: {'frame store (from LeRobot ' + source.version + ')' if is_store else 'LeRobot ' + source.version}",
+        f"episodes: {source.num_episodes}",
+        f"frames: {source.num_frames}",
+        f"fps: {source.fps:g}",
+        "features:",
+    ]
     for key, feature in source.features.items():
         if feature.get("dtype") in ("video", "image"):
             continue

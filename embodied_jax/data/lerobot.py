@@ -6,6 +6,7 @@ taken from PNG bytes in the parquet. Episodes are addressed by *position* (0..nu
 over the episodes kept); `episode_indices[position]` is the dataset's own episode index.
 Every error about a malformed dataset names the file and the episode.
 """
+
 from __future__ import annotations
 
 import collections
@@ -13,7 +14,8 @@ import dataclasses
 import json
 import pathlib
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -69,8 +71,13 @@ def _read_jsonl(path: pathlib.Path) -> list[dict]:
     return rows
 
 
-def _read_parquet(path: pathlib.Path, columns: Sequence[str] | None = None, *, episode: int | None = None,
-                  also_require: Sequence[str] = ()) -> pa.Table:
+def _read_parquet(
+    path: pathlib.Path,
+    columns: Sequence[str] | None = None,
+    *,
+    episode: int | None = None,
+    also_require: Sequence[str] = (),
+) -> pa.Table:
     where = f"{path}" + (f" (episode {episode})" if episode is not None else "")
     if not path.exists():
         raise DatasetError(f"{where}: missing file")
@@ -113,15 +120,25 @@ class LeRobotDataset:
       modality: a `Modality`, or None to use `meta/modality.json` when present.
     """
 
-    def __init__(self, root: str | pathlib.Path, *, tolerance_s: float = 1e-4, skip_bad_episodes: bool = False,
-                 episodes: Iterable[int] | None = None, modality: Modality | None = None, video_cache_size: int = 16):
+    def __init__(
+        self,
+        root: str | pathlib.Path,
+        *,
+        tolerance_s: float = 1e-4,
+        skip_bad_episodes: bool = False,
+        episodes: Iterable[int] | None = None,
+        modality: Modality | None = None,
+        video_cache_size: int = 16,
+    ):
         self.root = pathlib.Path(root)
         self.tolerance_s = float(tolerance_s)
         self.skip_bad_episodes = skip_bad_episodes
         self.info = _read_json(self.root / fmt.INFO_PATH)
         self.version = str(self.info.get("codebase_version", ""))
         if self.version not in fmt.SUPPORTED_VERSIONS:
-            raise DatasetError(f"{self.root / fmt.INFO_PATH}: codebase_version {self.version!r} is not one of {fmt.SUPPORTED_VERSIONS}")
+            raise DatasetError(
+                f"{self.root / fmt.INFO_PATH}: codebase_version {self.version!r} is not one of {fmt.SUPPORTED_VERSIONS}"
+            )
         for key in ("fps", "features", "data_path"):
             if key not in self.info:
                 raise DatasetError(f"{self.root / fmt.INFO_PATH}: missing field {key!r}")
@@ -130,8 +147,11 @@ class LeRobotDataset:
         self.video_keys = tuple(k for k, f in self.features.items() if f.get("dtype") == "video")
         self.image_keys = tuple(k for k, f in self.features.items() if f.get("dtype") == "image")
         self.camera_keys = self.video_keys + self.image_keys
-        self.vector_keys = tuple(k for k, f in self.features.items()
-                                 if f.get("dtype") not in ("video", "image", "string") and k not in fmt.BOOKKEEPING_KEYS)
+        self.vector_keys = tuple(
+            k
+            for k, f in self.features.items()
+            if f.get("dtype") not in ("video", "image", "string") and k not in fmt.BOOKKEEPING_KEYS
+        )
         modality_path = self.root / fmt.MODALITY_PATH
         if modality is None and modality_path.exists():
             try:
@@ -183,10 +203,17 @@ class LeRobotDataset:
             index = int(row["episode_index"])
             chunk = index // chunk_size
             data_path = self.root / self.info["data_path"].format(episode_chunk=chunk, episode_index=index)
-            videos = {key: VideoSpan(self.root / video_template.format(episode_chunk=chunk, video_key=key, episode_index=index),
-                                     0.0, float(row["length"]) / self.fps)
-                      for key in self.video_keys}
-            records.append(EpisodeRecord(index, int(row["length"]), tuple(row.get("tasks", ())), data_path, None, videos))
+            videos = {
+                key: VideoSpan(
+                    self.root / video_template.format(episode_chunk=chunk, video_key=key, episode_index=index),
+                    0.0,
+                    float(row["length"]) / self.fps,
+                )
+                for key in self.video_keys
+            }
+            records.append(
+                EpisodeRecord(index, int(row["length"]), tuple(row.get("tasks", ())), data_path, None, videos)
+            )
         return tasks, records
 
     def _v30_metadata(self) -> tuple[list[str], list[EpisodeRecord]]:
@@ -199,17 +226,28 @@ class LeRobotDataset:
         if task_column is None:
             task_column = next((c for c in names if pa.types.is_string(table.schema.field(c).type)), None)
         if task_column is None:
-            raise DatasetError(f"{tasks_path}: no task string column (expected the index 'task' or '__index_level_0__')")
+            raise DatasetError(
+                f"{tasks_path}: no task string column (expected the index 'task' or '__index_level_0__')"
+            )
         indices = table.column("task_index").to_pylist()
         strings = table.column(task_column).to_pylist()
         tasks = [""] * (max(indices, default=-1) + 1)
-        for i, s in zip(indices, strings):
+        for i, s in zip(indices, strings, strict=True):
             tasks[int(i)] = str(s)
 
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
         if not files:
-            raise DatasetError(f"{self.root / 'meta' / 'episodes'}: missing episode metadata files (chunk-*/file-*.parquet)")
-        required = ["episode_index", "length", "data/chunk_index", "data/file_index", "dataset_from_index", "dataset_to_index"]
+            raise DatasetError(
+                f"{self.root / 'meta' / 'episodes'}: missing episode metadata files (chunk-*/file-*.parquet)"
+            )
+        required = [
+            "episode_index",
+            "length",
+            "data/chunk_index",
+            "data/file_index",
+            "dataset_from_index",
+            "dataset_to_index",
+        ]
         for key in self.video_keys:
             required += [f"videos/{key}/{c}" for c in ("chunk_index", "file_index", "from_timestamp", "to_timestamp")]
         records = []
@@ -219,27 +257,42 @@ class LeRobotDataset:
             for row in table.to_pylist():
                 index = int(row["episode_index"])
                 data_path = self.root / self.info["data_path"].format(
-                    chunk_index=int(row["data/chunk_index"]), file_index=int(row["data/file_index"]))
+                    chunk_index=int(row["data/chunk_index"]), file_index=int(row["data/file_index"])
+                )
                 videos = {}
                 for key in self.video_keys:
                     p = f"videos/{key}/"
                     videos[key] = VideoSpan(
-                        self.root / video_template.format(video_key=key, chunk_index=int(row[p + "chunk_index"]),
-                                                          file_index=int(row[p + "file_index"])),
-                        float(row[p + "from_timestamp"]), float(row[p + "to_timestamp"]))
+                        self.root
+                        / video_template.format(
+                            video_key=key,
+                            chunk_index=int(row[p + "chunk_index"]),
+                            file_index=int(row[p + "file_index"]),
+                        ),
+                        float(row[p + "from_timestamp"]),
+                        float(row[p + "to_timestamp"]),
+                    )
                 length = int(row["length"])
                 if int(row["dataset_to_index"]) - int(row["dataset_from_index"]) != length:
-                    raise DatasetError(f"{path}: episode {index}: dataset_to_index - dataset_from_index "
-                                       f"= {int(row['dataset_to_index']) - int(row['dataset_from_index'])} but length = {length}")
-                records.append(EpisodeRecord(index, length, tuple(row.get("tasks") or ()), data_path,
-                                             int(row["dataset_from_index"]), videos))
+                    raise DatasetError(
+                        f"{path}: episode {index}: dataset_to_index - dataset_from_index "
+                        f"= {int(row['dataset_to_index']) - int(row['dataset_from_index'])} but length = {length}"
+                    )
+                records.append(
+                    EpisodeRecord(
+                        index, length, tuple(row.get("tasks") or ()), data_path, int(row["dataset_from_index"]), videos
+                    )
+                )
         records.sort(key=lambda r: r.episode_index)
         return tasks, records
 
     # ----- tables ---------------------------------------------------------------------------------------------
     def _load_tables(self, records: list[EpisodeRecord]) -> None:
-        annotation = [c for c in (self.modality.annotation_columns() if self.modality else ())
-                      if c not in fmt.BOOKKEEPING_KEYS and c not in self.vector_keys]
+        annotation = [
+            c
+            for c in (self.modality.annotation_columns() if self.modality else ())
+            if c not in fmt.BOOKKEEPING_KEYS and c not in self.vector_keys
+        ]
         numeric = list(self.vector_keys) + annotation + list(fmt.BOOKKEEPING_KEYS)
         by_file: dict[pathlib.Path, list[EpisodeRecord]] = collections.defaultdict(list)
         for record in records:
@@ -266,7 +319,9 @@ class LeRobotDataset:
                 kept.append((record, rows.start, arrays))
         kept.sort(key=lambda item: item[0].episode_index)
         if not kept:
-            raise DatasetError(f"{self.root}: no usable episodes" + (f" ({len(self.skipped)} skipped)" if self.skipped else ""))
+            raise DatasetError(
+                f"{self.root}: no usable episodes" + (f" ({len(self.skipped)} skipped)" if self.skipped else "")
+            )
         self.episodes = [record for record, _, _ in kept]
         self.episode_indices = np.array([r.episode_index for r in self.episodes], np.int64)
         self.episode_lengths = np.array([r.length for r in self.episodes], np.int64)
@@ -282,12 +337,16 @@ class LeRobotDataset:
             start = int(np.searchsorted(index_column, record.dataset_from_index))
             stop = int(np.searchsorted(index_column, record.dataset_from_index + record.length))
         if stop - start != record.length:
-            raise DatasetError(f"{record.data_path}: episode {record.episode_index}: metadata says {record.length} frames "
-                               f"but the file has {stop - start} rows for it")
+            raise DatasetError(
+                f"{record.data_path}: episode {record.episode_index}: metadata says {record.length} frames "
+                f"but the file has {stop - start} rows for it"
+            )
         episode_column = table.column(fmt.EPISODE_INDEX).slice(start, stop - start).to_numpy()
         if not np.all(episode_column == record.episode_index):
-            raise DatasetError(f"{record.data_path}: episode {record.episode_index}: rows {start}..{stop} carry "
-                               f"episode_index {sorted(set(episode_column.tolist()))}")
+            raise DatasetError(
+                f"{record.data_path}: episode {record.episode_index}: rows {start}..{stop} carry "
+                f"episode_index {sorted(set(episode_column.tolist()))}"
+            )
         return range(start, stop)
 
     def _check_episode(self, record: EpisodeRecord, arrays: dict[str, np.ndarray]) -> None:
@@ -300,14 +359,18 @@ class LeRobotDataset:
         gaps = np.abs(np.diff(timestamps) - 1.0 / self.fps)
         if gaps.size and gaps.max() > self.tolerance_s:
             bad = int(np.argmax(gaps)) + 1
-            raise DatasetError(f"{where}: timestamp {timestamps[bad]:.6f} at frame {bad} is outside tolerance_s="
-                               f"{self.tolerance_s} of the {1.0 / self.fps:.6f}s frame period")
+            raise DatasetError(
+                f"{where}: timestamp {timestamps[bad]:.6f} at frame {bad} is outside tolerance_s="
+                f"{self.tolerance_s} of the {1.0 / self.fps:.6f}s frame period"
+            )
         for key, span in record.videos.items():
             if not span.path.exists():
                 raise DatasetError(f"{span.path}: missing video file for episode {record.episode_index}, camera {key}")
             if timestamps.size and span.from_timestamp + timestamps[-1] > span.to_timestamp + self.tolerance_s:
-                raise DatasetError(f"{span.path}: episode {record.episode_index}: timestamp {timestamps[-1]:.6f} is past "
-                                   f"the episode's video span [{span.from_timestamp}, {span.to_timestamp}]")
+                raise DatasetError(
+                    f"{span.path}: episode {record.episode_index}: timestamp {timestamps[-1]:.6f} is past "
+                    f"the episode's video span [{span.from_timestamp}, {span.to_timestamp}]"
+                )
         task_index = arrays[fmt.TASK_INDEX]
         if task_index.size and (task_index.min() < 0 or task_index.max() >= len(self.tasks)):
             raise DatasetError(f"{where}: task_index {int(task_index.max())} has no entry in the task table")
@@ -357,7 +420,7 @@ class LeRobotDataset:
 
     def episode_array(self, position: int, key: str) -> np.ndarray:
         """All frames of one per-frame feature of an episode, [T, ...]."""
-        return self.arrays[key][self.episode_starts[position]:self.episode_starts[position + 1]]
+        return self.arrays[key][self.episode_starts[position] : self.episode_starts[position + 1]]
 
     def task(self, position: int, frame_index: int) -> str:
         return self.tasks[int(self.arrays[fmt.TASK_INDEX][self.episode_starts[position] + frame_index])]
@@ -375,7 +438,9 @@ class LeRobotDataset:
         frame_indices = np.asarray(frame_indices, dtype=np.int64)
         if key in record.videos:
             span = record.videos[key]
-            timestamps = self.episode_array(position, fmt.TIMESTAMP)[frame_indices].astype(np.float64) + span.from_timestamp
+            timestamps = (
+                self.episode_array(position, fmt.TIMESTAMP)[frame_indices].astype(np.float64) + span.from_timestamp
+            )
             try:
                 return self._video_cache.get(span.path).frames_at(timestamps, self.fps, self.tolerance_s)
             except video.VideoDecodeError as exc:
@@ -392,8 +457,10 @@ class LeRobotDataset:
                 try:
                     out.append(video.decode_png(data))
                 except Exception as exc:  # FFmpeg raises several error types for bad image bytes.
-                    raise DatasetError(f"{record.data_path}: episode {record.episode_index}: frame {int(frame)} of "
-                                       f"{key} does not decode as an image ({exc})") from exc
+                    raise DatasetError(
+                        f"{record.data_path}: episode {record.episode_index}: frame {int(frame)} of "
+                        f"{key} does not decode as an image ({exc})"
+                    ) from exc
             return np.stack(out)
         raise KeyError(f"{key!r} is not a camera of {self.root}; cameras: {self.camera_keys}")
 
@@ -411,8 +478,10 @@ class LeRobotDataset:
     def frame(self, position: int, frame_index: int) -> dict[str, Any]:
         """One frame's raw values: every feature under its dataset key, cameras uint8 HWC, task string."""
         if not 0 <= frame_index < self.episode_lengths[position]:
-            raise IndexError(f"frame {frame_index} outside episode {self.episode_indices[position]} "
-                             f"(length {self.episode_lengths[position]})")
+            raise IndexError(
+                f"frame {frame_index} outside episode {self.episode_indices[position]} "
+                f"(length {self.episode_lengths[position]})"
+            )
         row = self.episode_starts[position] + frame_index
         out: dict[str, Any] = {key: self.arrays[key][row] for key in self.arrays}
         for key in self.camera_keys:

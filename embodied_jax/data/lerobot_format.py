@@ -1,4 +1,5 @@
 """Names and path templates of the LeRobot dataset formats v2.1 and v3.0 (shared by reader and writer)."""
+
 from __future__ import annotations
 
 V21 = "v2.1"

@@ -10,12 +10,14 @@ The file looks like::
 `Modality.split` adds ``state.<name>``, ``action.<name>``, ``video.<name>`` and
 ``annotation.<name>`` entries to a sample, leaving the original keys in place.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 STATE_KEY = "observation.state"
 ACTION_KEY = "action"
@@ -31,7 +33,7 @@ class Modality:
     action_key: str = ACTION_KEY
 
     @classmethod
-    def from_json(cls, payload: Mapping[str, Any], *, source: str = "modality.json") -> "Modality":
+    def from_json(cls, payload: Mapping[str, Any], *, source: str = "modality.json") -> Modality:
         def slices(section: str) -> dict[str, tuple[int, int]]:
             out = {}
             for name, spec in payload.get(section, {}).items():
@@ -52,13 +54,17 @@ class Modality:
 
         state_keys = {spec.get("original_key") for spec in payload.get("state", {}).values()} - {None}
         action_keys = {spec.get("original_key") for spec in payload.get("action", {}).values()} - {None}
-        return cls(state=slices("state"), action=slices("action"),
-                   video=renames("video", "observation.images."), annotation=renames("annotation", "annotation."),
-                   state_key=state_keys.pop() if len(state_keys) == 1 else STATE_KEY,
-                   action_key=action_keys.pop() if len(action_keys) == 1 else ACTION_KEY)
+        return cls(
+            state=slices("state"),
+            action=slices("action"),
+            video=renames("video", "observation.images."),
+            annotation=renames("annotation", "annotation."),
+            state_key=state_keys.pop() if len(state_keys) == 1 else STATE_KEY,
+            action_key=action_keys.pop() if len(action_keys) == 1 else ACTION_KEY,
+        )
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "Modality":
+    def load(cls, path: str | pathlib.Path) -> Modality:
         path = pathlib.Path(path)
         try:
             payload = json.loads(path.read_text())
@@ -76,7 +82,9 @@ class Modality:
             width = int(features[key]["shape"][0])
             for name, (start, end) in slices.items():
                 if end > width:
-                    raise ValueError(f"{source}: modality {section}.{name} = [{start}, {end}) exceeds {key!r} width {width}")
+                    raise ValueError(
+                        f"{source}: modality {section}.{name} = [{start}, {end}) exceeds {key!r} width {width}"
+                    )
         for name, key in self.video.items():
             if key not in features:
                 raise ValueError(f"{source}: modality video.{name} refers to {key!r}, which the dataset lacks")

@@ -22,13 +22,17 @@ Samples are never split across rows and keep contiguous token runs. ``pack`` wor
 Grain ``IterDataset`` (the training pipeline); ``pack_samples`` packs a list (benchmarks,
 tests, synthetic batches) through the same packer.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grain
 import numpy as np
+
+from embodied_jax.config_registry import register
 
 SEGMENT_IDS = "segment_ids"
 POSITIONS = "positions"
@@ -37,6 +41,7 @@ SAMPLE_MASK = "sample_mask"
 PADDING_FRACTION = "padding_fraction"
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class PackingConfig:
     """``seq_len`` tokens per row; 0 turns packing off (``--data.packing.seq-len N`` turns it on).
@@ -57,7 +62,7 @@ class PackingConfig:
     def enabled(self) -> bool:
         return self.seq_len > 0
 
-    def resolved(self, tokens_per_image: int | None) -> "PackingConfig":
+    def resolved(self, tokens_per_image: int | None) -> PackingConfig:
         """This config with ``max_images_per_row`` filled in from the builder's image cost."""
         if self.max_images_per_row or not tokens_per_image:
             return self
@@ -84,8 +89,10 @@ class _CheckSample:
                 raise KeyError(f"packing needs token stream {key!r}; the sample has {sorted(sample)}")
             value = np.asarray(sample[key])
             if value.ndim != 1:
-                raise ValueError(f"token stream {key!r} must be 1-D (a packing input builder emits unpadded "
-                                 f"samples), got shape {value.shape}")
+                raise ValueError(
+                    f"token stream {key!r} must be 1-D (a packing input builder emits unpadded "
+                    f"samples), got shape {value.shape}"
+                )
             lengths[key] = len(value)
         if len(set(lengths.values())) != 1:
             raise ValueError(f"token streams of one sample must have equal lengths, got {lengths}")
@@ -101,8 +108,10 @@ class _CheckSample:
             if images.ndim != 4:
                 raise ValueError(f"packing: {self.config.image_key!r} must be [n, H, W, C], got {images.shape}")
             if len(images) > self.config.max_images_per_row:
-                raise ValueError(f"a sample has {len(images)} images; packing allows max_images_per_row="
-                                 f"{self.config.max_images_per_row}")
+                raise ValueError(
+                    f"a sample has {len(images)} images; packing allows max_images_per_row="
+                    f"{self.config.max_images_per_row}"
+                )
             out[self.config.image_key] = images
         return out
 
@@ -128,7 +137,7 @@ class _FinishRow:
         cfg = self.config
         key0 = cfg.token_keys[0]
         out: dict[str, Any] = {}
-        for key, dtype in zip(cfg.token_keys, self.token_dtypes):
+        for key, dtype in zip(cfg.token_keys, self.token_dtypes, strict=True):
             out[key] = np.asarray(row[key]).astype(dtype)
         segment_ids = np.asarray(row[f"{key0}_segment_ids"], np.int32)
         out[SEGMENT_IDS] = segment_ids
@@ -154,16 +163,23 @@ class _FinishRow:
         return out
 
 
-def pack(dataset: grain.IterDataset, config: PackingConfig, *, seed: int = 0, probe: dict[str, Any],
-         ) -> grain.IterDataset:
+def pack(
+    dataset: grain.IterDataset,
+    config: PackingConfig,
+    *,
+    seed: int = 0,
+    probe: dict[str, Any],
+) -> grain.IterDataset:
     """Packs samples shaped like ``probe`` (one sample of ``dataset``) into rows (module docstring)."""
     config.validate()
     with_images = config.image_key in probe
     if with_images and config.max_images_per_row < 1:
-        raise ValueError("packing: samples carry images, so max_images_per_row must be >= 1 "
-                         "(or resolved from the builder's tokens_per_image)")
+        raise ValueError(
+            "packing: samples carry images, so max_images_per_row must be >= 1 "
+            "(or resolved from the builder's tokens_per_image)"
+        )
     dtypes = tuple(np.asarray(probe[k]).dtype for k in config.token_keys)
-    dtypes = tuple(np.bool_ if d == bool else d for d in dtypes)
+    dtypes = tuple(np.bool_ if d == np.dtype(bool) else d for d in dtypes)
     lengths = {key: config.seq_len for key in config.token_keys}
     if with_images:
         lengths[config.image_key] = config.max_images_per_row
@@ -181,8 +197,12 @@ def pack(dataset: grain.IterDataset, config: PackingConfig, *, seed: int = 0, pr
     return packed.map(_FinishRow(config, dtypes, with_images))
 
 
-def pack_samples(samples: Sequence[dict[str, Any]], config: PackingConfig, *, num_rows: int | None = None,
-                 ) -> dict[str, np.ndarray]:
+def pack_samples(
+    samples: Sequence[dict[str, Any]],
+    config: PackingConfig,
+    *,
+    num_rows: int | None = None,
+) -> dict[str, np.ndarray]:
     """Pack a list of samples into one batch of rows (first fit over ``num_packing_bins`` bins).
 
     ``num_rows`` pads the batch with empty rows to a fixed row count (raises if too small).
@@ -194,8 +214,9 @@ def pack_samples(samples: Sequence[dict[str, Any]], config: PackingConfig, *, nu
     rows = list(pack(ds, config, probe=samples[0]))
     if num_rows is not None:
         if len(rows) > num_rows:
-            raise ValueError(f"pack_samples: the samples need {len(rows)} rows of {config.seq_len} tokens, "
-                             f"num_rows={num_rows}")
+            raise ValueError(
+                f"pack_samples: the samples need {len(rows)} rows of {config.seq_len} tokens, num_rows={num_rows}"
+            )
         rows += [_empty_row(rows[0]) for _ in range(num_rows - len(rows))]
     return {key: np.stack([r[key] for r in rows]) for key in rows[0]}
 

@@ -5,9 +5,10 @@ Order of operations (all lazy, per index, on a `grain.MapDataset`):
 1. each source is the range of its frames, globally shuffled with the seed (a new order each
    epoch) and repeated; several sources are mixed with weights ``weight x num_frames`` (GR00T:
    datasets in proportion to weight and length, trajectories in proportion to length);
-2. load the raw sample (action chunk, pad masks, cameras, task), normalise state/action,
-   resize/augment images with Grain's per-record RNG and convert them to float [-1, 1],
-   then apply the model's input builder (a plain callable from the experiment config);
+2. load the raw sample (action chunk, pad masks, cameras, task) and apply the run's
+   ``SampleTransform`` (``data/sample_transform.py``: normalise, resize/augment images with
+   Grain's per-record RNG, rename to the model's layout, the model's input builder), the
+   same object a policy bundle applies to a robot's observation;
 3. this process takes every `process_count`-th record starting at `process_index`, so the
    processes' shards are disjoint and together cover each epoch;
 4. optional first-fit packing (``data/packing.py``; ``batch_size`` then counts rows),
@@ -16,26 +17,32 @@ Order of operations (all lazy, per index, on a `grain.MapDataset`):
 `make_data_iterator` returns a `DataIterator` whose `get_state()` is JSON-serialisable and
 whose `set_state()` makes a restored run yield exactly the batches an uninterrupted run would.
 """
+
 from __future__ import annotations
 
 import base64
 import dataclasses
 import json
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grain
 import numpy as np
 
+from embodied_jax.config_registry import register
 from embodied_jax.data.framestore import FrameStore
+from embodied_jax.data.iterator import BatchIterator
 from embodied_jax.data.lerobot import LeRobotDataset
 from embodied_jax.data.packing import PackingConfig, pack
+from embodied_jax.data.sample_transform import ModelInputs, SampleTransform
 from embodied_jax.data.samples import SampleLoader, SampleSpec
-from embodied_jax.data.stats import Normalizer, NormStats, compute_stats
-from embodied_jax.data.transforms import AugmentConfig, ImageTransform
+from embodied_jax.data.stats import FeatureStats, NormStats, compute_stats
+from embodied_jax.data.transforms import AugmentConfig
 
 STATE_FORMAT = "embodied_jax.data.iterator/1"
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class SourceConfig:
     """One dataset of a mixture. `frame_store`: read frames from this converted store instead of video."""
@@ -46,6 +53,7 @@ class SourceConfig:
     episodes: tuple[int, ...] | None = None
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     sources: tuple[SourceConfig, ...]
@@ -61,12 +69,37 @@ class DataConfig:
     tolerance_s: float = 1e-4
     skip_bad_episodes: bool = False
 
+    def sample_transform(
+        self,
+        stats: Mapping[str, FeatureStats] | None,
+        cameras: Sequence[str],
+        *,
+        inputs: ModelInputs | None = None,
+        builder: Callable[[dict], dict] | None = None,
+        training: bool = True,
+    ) -> SampleTransform:
+        """The per-sample transform of this data: the pipeline's (``training``: with ``augment``)
+        and a policy bundle's (``training=False``) come from here, so they cannot drift apart."""
+        return SampleTransform.create(
+            stats=stats,
+            norm_modes=self.norm_modes,
+            cameras=cameras,
+            image_size=self.image_size,
+            augment=self.augment if training else None,
+            inputs=inputs,
+            builder=builder,
+        )
+
 
 def open_source(source: SourceConfig, config: DataConfig):
     if source.frame_store:
         return FrameStore(source.frame_store)
-    return LeRobotDataset(source.root, tolerance_s=config.tolerance_s, skip_bad_episodes=config.skip_bad_episodes,
-                          episodes=source.episodes)
+    return LeRobotDataset(
+        source.root,
+        tolerance_s=config.tolerance_s,
+        skip_bad_episodes=config.skip_bad_episodes,
+        episodes=source.episodes,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,25 +110,18 @@ class _Tag:
         return self.source, int(index)
 
 
-class _Transform:
-    """Load + normalise + images (+ builder): the per-record work, run in Grain workers."""
+class _LoadAndTransform:
+    """Load + the run's ``SampleTransform``: the per-record work, run in Grain workers."""
 
-    def __init__(self, loaders: Sequence[SampleLoader], normalizer: Normalizer | None, images: ImageTransform,
-                 builder: Callable[[dict], dict] | None):
+    def __init__(self, loaders: Sequence[SampleLoader], transform: SampleTransform):
         self.loaders = list(loaders)
-        self.normalizer = normalizer
-        self.images = images
-        self.builder = builder
+        self.transform = transform
 
     def __call__(self, record: tuple[int, int], rng: np.random.Generator) -> dict[str, Any]:
         source, index = record
         sample = self.loaders[source](index)
         sample["source_index"] = np.int32(source)
-        if self.normalizer is not None:
-            sample = self.normalizer.normalize(sample)
-        sample = self.images(sample, rng)
-        if self.builder is not None:
-            sample = self.builder(sample)
+        sample = self.transform(sample, rng)
         # strings (the task) batch as NumPy unicode arrays
         return {k: np.asarray(v, dtype=str) if isinstance(v, str) else v for k, v in sample.items()}
 
@@ -108,8 +134,16 @@ def mixture_weights(sources: Sequence[SourceConfig], lengths: Sequence[int]) -> 
     return (raw / raw.sum()).tolist()
 
 
-def build_dataset(config: DataConfig, *, process_index: int, process_count: int, seed: int,
-                  builder: Callable[[dict], dict] | None = None, stats: NormStats | None = None):
+def build_dataset(
+    config: DataConfig,
+    *,
+    process_index: int,
+    process_count: int,
+    seed: int,
+    inputs: ModelInputs | None = None,
+    builder: Callable[[dict], dict] | None = None,
+    stats: NormStats | None = None,
+):
     """(grain MapDataset of this process's samples, the NormStats used, the frame sources)."""
     if not config.sources:
         raise ValueError("DataConfig.sources is empty")
@@ -118,12 +152,14 @@ def build_dataset(config: DataConfig, *, process_index: int, process_count: int,
     frame_sources = [open_source(s, config) for s in config.sources]
     modes = dict(config.norm_modes)
     if stats is None and modes:
-        stats = NormStats.load(config.stats_path) if config.stats_path else compute_stats(
-            frame_sources, tuple(modes), spec=config.spec)
-    normalizer = Normalizer(stats, modes) if modes else None
+        stats = (
+            NormStats.load(config.stats_path)
+            if config.stats_path
+            else compute_stats(frame_sources, tuple(modes), spec=config.spec)
+        )
     loaders = [SampleLoader(s, config.spec) for s in frame_sources]
     cameras = sorted({c for loader in loaders for c in loader.cameras})
-    images = ImageTransform(cameras=tuple(cameras), size=config.image_size, augment=config.augment)
+    transform = config.sample_transform(stats, cameras, inputs=inputs, builder=builder, training=True)
 
     per_source = []
     for i, loader in enumerate(loaders):
@@ -132,8 +168,9 @@ def build_dataset(config: DataConfig, *, process_index: int, process_count: int,
     if len(per_source) == 1:
         mixed = per_source[0]
     else:
-        mixed = grain.MapDataset.mix(per_source, weights=mixture_weights(config.sources, [len(l) for l in loaders]))
-    samples = mixed.random_map(_Transform(loaders, normalizer, images, builder), seed=seed)
+        weights = mixture_weights(config.sources, [len(loader) for loader in loaders])
+        mixed = grain.MapDataset.mix(per_source, weights=weights)
+    samples = mixed.random_map(_LoadAndTransform(loaders, transform), seed=seed)
     return samples[process_index::process_count], stats, frame_sources
 
 
@@ -167,19 +204,26 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-class DataIterator:
+class DataIterator(BatchIterator):
     """Iterator of per-process NumPy batches (dicts, batch-first) with JSON-serialisable state."""
 
-    def __init__(self, dataset: grain.IterDataset, *, stats: NormStats | None, sources: Sequence[Any],
-                 description: Mapping[str, Any]):
+    def __init__(
+        self,
+        dataset: grain.IterDataset,
+        *,
+        stats: NormStats | None,
+        sources: Sequence[Any],
+        description: Mapping[str, Any],
+    ):
         self._dataset = dataset
         self._iterator = iter(dataset)
-        self.stats = stats
+        self._stats = stats
         self.sources = list(sources)
         self.description = dict(description)
 
-    def __iter__(self) -> "DataIterator":
-        return self
+    @property
+    def stats(self) -> NormStats | None:
+        return self._stats
 
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self._iterator)
@@ -193,44 +237,65 @@ class DataIterator:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a data iterator state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
         if state.get("pipeline") != self.description:
-            raise ValueError(f"iterator state was saved by a different pipeline: {state.get('pipeline')} "
-                             f"vs {self.description}")
+            raise ValueError(
+                f"iterator state was saved by a different pipeline: {state.get('pipeline')} vs {self.description}"
+            )
         self._iterator.set_state(_from_json(state["grain"]))
 
     def close(self) -> None:
-        close = getattr(self._iterator, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> "DataIterator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self._iterator.close()  # stops Grain's worker processes and prefetch threads
 
 
-def make_data_iterator(config: DataConfig, *, process_index: int, process_count: int, batch_size: int, seed: int,
-                       builder: Callable[[dict], dict] | None = None, stats: NormStats | None = None,
-                       packing: PackingConfig = PackingConfig()) -> DataIterator:
+def make_data_iterator(
+    config: DataConfig,
+    *,
+    process_index: int,
+    process_count: int,
+    batch_size: int,
+    seed: int,
+    inputs: ModelInputs | None = None,
+    builder: Callable[[dict], dict] | None = None,
+    stats: NormStats | None = None,
+    packing: PackingConfig = PackingConfig(),
+) -> DataIterator:
     """Per-process batches of `batch_size` samples (packed rows when `packing` is on) for this
     process's shard of `config`'s data.
 
-    `builder(sample) -> sample` is the model's input builder (prompt tokens etc.; with packing,
-    its variable-length form); `stats` overrides statistics from `config.stats_path` or
-    computed from the sources.
+    `inputs` renames dataset keys into the model's layout and `builder(sample) -> sample` is the
+    model's input builder (prompt tokens etc.; with packing, its variable-length form); without
+    `inputs` the builder sees the dataset keys. `stats` overrides statistics from
+    `config.stats_path` or computed from the sources.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    samples, stats, sources = build_dataset(config, process_index=process_index, process_count=process_count,
-                                            seed=seed, builder=builder, stats=stats)
-    ds = samples.to_iter_dataset(grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=config.read_buffer))
+    samples, stats, sources = build_dataset(
+        config,
+        process_index=process_index,
+        process_count=process_count,
+        seed=seed,
+        inputs=inputs,
+        builder=builder,
+        stats=stats,
+    )
+    ds = samples.to_iter_dataset(
+        grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=config.read_buffer)
+    )
     if packing.enabled:
         ds = pack(ds, packing, seed=seed, probe=samples[0])
     ds = ds.batch(batch_size, drop_remainder=True)
     if config.num_workers > 0:
         _ensure_absl_flags()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers,
-                                                         per_worker_buffer_size=config.worker_buffer_size))
-    description = {"process_index": process_index, "process_count": process_count, "batch_size": batch_size,
-                   "seed": seed, "num_workers": config.num_workers, "packed": packing.enabled}
+        ds = ds.mp_prefetch(
+            grain.MultiprocessingOptions(
+                num_workers=config.num_workers, per_worker_buffer_size=config.worker_buffer_size
+            )
+        )
+    description = {
+        "process_index": process_index,
+        "process_count": process_count,
+        "batch_size": batch_size,
+        "seed": seed,
+        "num_workers": config.num_workers,
+        "packed": packing.enabled,
+    }
     return DataIterator(ds, stats=stats, sources=sources, description=description)

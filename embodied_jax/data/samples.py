@@ -10,19 +10,23 @@ nearest frame and is flagged in ``<key>_is_pad``; keys listed as relative are ze
 padded steps instead. Delta actions subtract the current state on the masked dimensions
 after padding (so a padded step holds the last absolute target, as openpi does).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from embodied_jax.config_registry import register
 from embodied_jax.data import lerobot_format as fmt
 
 STATE_KEY = "observation.state"
 ACTION_KEY = "action"
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class SampleSpec:
     """What one sample holds.
@@ -78,7 +82,9 @@ def to_absolute_actions(actions: np.ndarray, state: np.ndarray, mask: Sequence[b
     return out
 
 
-def gather_window(values: np.ndarray, frame: int, offsets: np.ndarray, *, relative: bool) -> tuple[np.ndarray, np.ndarray]:
+def gather_window(
+    values: np.ndarray, frame: int, offsets: np.ndarray, *, relative: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """values[frame + offsets] clamped to the episode, with a pad mask; relative keys zero-pad."""
     length = len(values)
     query = frame + offsets
@@ -131,7 +137,9 @@ class SampleLoader:
             if offsets is None:
                 out[key] = np.asarray(values[frame], np.float32)
             else:
-                out[key], out[f"{key}_is_pad"] = gather_window(values, frame, offsets, relative=key in spec.relative_keys)
+                out[key], out[f"{key}_is_pad"] = gather_window(
+                    values, frame, offsets, relative=key in spec.relative_keys
+                )
                 out[key] = out[key].astype(np.float32)
         if spec.delta_action_mask is not None:
             state = source.episode_array(position, spec.state_keys[0])[frame]

@@ -5,12 +5,14 @@ compacting a sorted buffer of weight-w items moves any rank by at most w, and le
 weight 2^h items, so after n values the rank error is at most about log2(n/k)·n/(2k) — with
 the default k = 4096 under 0.25% up to 10^9 values, i.e. inside the 0.5% budget.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +39,7 @@ class QuantileSketch:
         self.count += len(values)
         self._push(0, values)
 
-    def merge(self, other: "QuantileSketch") -> None:
+    def merge(self, other: QuantileSketch) -> None:
         self.count += other.count
         for level, values in enumerate(other.levels):
             self._push(level, values)
@@ -64,7 +66,7 @@ class QuantileSketch:
         if len(self.levels) == 1:
             return np.quantile(self.levels[0], qs, axis=0)
         values = np.concatenate(self.levels)
-        weights = np.concatenate([np.full(len(v), 2.0 ** h) for h, v in enumerate(self.levels)])
+        weights = np.concatenate([np.full(len(v), 2.0**h) for h, v in enumerate(self.levels)])
         order = np.argsort(values, axis=0)
         sorted_values = np.take_along_axis(values, order, axis=0)
         cumulative = np.cumsum(weights[order], axis=0)
@@ -102,17 +104,23 @@ class RunningStats:
             total = self.count + n
             delta = mean - self.mean
             self.mean = self.mean + delta * n / total
-            self.m2 = self.m2 + m2 + delta ** 2 * self.count * n / total
+            self.m2 = self.m2 + m2 + delta**2 * self.count * n / total
             self.count = total
             self.min, self.max = np.minimum(self.min, values.min(0)), np.maximum(self.max, values.max(0))
         self.sketch.add(values)
 
-    def finalize(self) -> "FeatureStats":
+    def finalize(self) -> FeatureStats:
         if self.count == 0:
             raise ValueError("no values were added")
         qs = self.sketch.quantiles(list(QUANTILES.values()))
-        return FeatureStats(mean=self.mean, std=np.sqrt(self.m2 / self.count), min=self.min, max=self.max,
-                            count=self.count, quantiles={name: qs[i] for i, name in enumerate(QUANTILES)})
+        return FeatureStats(
+            mean=self.mean,
+            std=np.sqrt(self.m2 / self.count),
+            min=self.min,
+            max=self.max,
+            count=self.count,
+            quantiles={name: qs[i] for i, name in enumerate(QUANTILES)},
+        )
 
 
 @dataclasses.dataclass
@@ -140,15 +148,21 @@ class FeatureStats:
         return out
 
     @classmethod
-    def from_json(cls, payload: Mapping[str, Any], *, key: str = "?") -> "FeatureStats":
+    def from_json(cls, payload: Mapping[str, Any], *, key: str = "?") -> FeatureStats:
         missing = [n for n in ("mean", "std", "min", "max") if n not in payload]
         if missing:
             raise ValueError(f"stats for {key!r} lack {missing}")
         count = payload.get("count", 0)
         count = int(np.asarray(count).reshape(-1)[0]) if np.size(count) else 0
         flat = lambda v: np.asarray(v, np.float64).reshape(-1)  # noqa: E731
-        return cls(mean=flat(payload["mean"]), std=flat(payload["std"]), min=flat(payload["min"]), max=flat(payload["max"]),
-                   count=count, quantiles={n: flat(payload[n]) for n in QUANTILES if n in payload})
+        return cls(
+            mean=flat(payload["mean"]),
+            std=flat(payload["std"]),
+            min=flat(payload["min"]),
+            max=flat(payload["max"]),
+            count=count,
+            quantiles={n: flat(payload[n]) for n in QUANTILES if n in payload},
+        )
 
 
 class NormStats(dict):
@@ -160,16 +174,22 @@ class NormStats(dict):
         path.write_text(json.dumps({"norm_stats": {k: v.to_json() for k, v in self.items()}}, indent=1))
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "NormStats":
+    def load(cls, path: str | pathlib.Path) -> NormStats:
         """Reads our JSON or a LeRobot `meta/stats.json` (same per-feature fields)."""
         payload = json.loads(pathlib.Path(path).read_text())
         payload = payload.get("norm_stats", payload)
-        return cls({k: FeatureStats.from_json(v, key=k) for k, v in payload.items()
-                    if isinstance(v, Mapping) and "mean" in v})
+        return cls(
+            {k: FeatureStats.from_json(v, key=k) for k, v in payload.items() if isinstance(v, Mapping) and "mean" in v}
+        )
 
 
-def compute_stats(sources: Any, keys: Sequence[str] = ("observation.state", "action"), *,
-                  spec: SampleSpec | None = None, sketch_k: int = 4096) -> NormStats:
+def compute_stats(
+    sources: Any,
+    keys: Sequence[str] = ("observation.state", "action"),
+    *,
+    spec: SampleSpec | None = None,
+    sketch_k: int = 4096,
+) -> NormStats:
     """Statistics of `keys` over every frame of one frame source or a sequence of them (a mixture).
 
     With a `spec` whose `delta_action_mask` is set, action statistics are taken over the delta
@@ -195,10 +215,12 @@ def _delta_chunks(source, position: int, key: str, spec: SampleSpec) -> np.ndarr
     actions = source.episode_array(position, key)
     states = source.episode_array(position, spec.state_keys[0])
     offsets = spec.offsets(key, source.fps)
-    chunks = np.stack([gather_window(actions, t, offsets, relative=key in spec.relative_keys)[0] for t in range(len(actions))])
+    chunks = np.stack(
+        [gather_window(actions, t, offsets, relative=key in spec.relative_keys)[0] for t in range(len(actions))]
+    )
     mask = np.asarray(spec.delta_action_mask, bool)
     chunks = chunks.astype(np.float32)
-    chunks[..., :len(mask)] -= np.where(mask, states[:, :len(mask)], 0.0)[:, None, :]
+    chunks[..., : len(mask)] -= np.where(mask, states[:, : len(mask)], 0.0)[:, None, :]
     return chunks.reshape(-1, chunks.shape[-1])
 
 

@@ -4,6 +4,7 @@
 8 bits of frame index, 5 of episode index, 3 of camera number. Codec noise cannot turn one
 frame into its neighbour, so a decode that is off by one frame is caught exactly.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +22,7 @@ def frame_id_image(episode: int, frame: int, camera: int, height: int = HEIGHT, 
     for bit in range(16):
         if code >> bit & 1:
             row, col = divmod(bit, 4)
-            image[row * block_h:(row + 1) * block_h, col * block_w:(col + 1) * block_w] = 255
+            image[row * block_h : (row + 1) * block_h, col * block_w : (col + 1) * block_w] = 255
     return image
 
 
@@ -33,15 +34,25 @@ def decode_frame_id(image: np.ndarray) -> tuple[int, int, int]:
     code = 0
     for bit in range(16):
         row, col = divmod(bit, 4)
-        centre = image[row * block_h + margin_h:(row + 1) * block_h - margin_h,
-                       col * block_w + margin_w:(col + 1) * block_w - margin_w]
+        centre = image[
+            row * block_h + margin_h : (row + 1) * block_h - margin_h,
+            col * block_w + margin_w : (col + 1) * block_w - margin_w,
+        ]
         if centre.mean() > 127:
             code |= 1 << bit
     return code >> 8 & 31, code & 255, code >> 13
 
 
-def make_episodes(lengths, cameras=("front", "wrist"), state_dim=4, action_dim=3, seed=0, tasks=("pick", "place"),
-                  height: int = HEIGHT, width: int = WIDTH):
+def make_episodes(
+    lengths,
+    cameras=("front", "wrist"),
+    state_dim=4,
+    action_dim=3,
+    seed=0,
+    tasks=("pick", "place"),
+    height: int = HEIGHT,
+    width: int = WIDTH,
+):
     """Episodes for `write_lerobot_dataset`: random state/action, self-identifying camera frames."""
     rng = np.random.default_rng(seed)
     episodes = []
@@ -52,6 +63,8 @@ def make_episodes(lengths, cameras=("front", "wrist"), state_dim=4, action_dim=3
             "action": rng.normal(size=(length, action_dim)).astype(np.float32),
         }
         for c, camera in enumerate(cameras):
-            episode[f"observation.images.{camera}"] = np.stack([frame_id_image(e, t, c, height, width) for t in range(length)])
+            episode[f"observation.images.{camera}"] = np.stack(
+                [frame_id_image(e, t, c, height, width) for t in range(length)]
+            )
         episodes.append(episode)
     return episodes

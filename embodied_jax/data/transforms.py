@@ -3,36 +3,20 @@
 Random transforms take a `np.random.Generator`; the pipeline hands in Grain's per-record
 generator (`random_map`), so a run is reproducible from its seed. Resizing uses FFmpeg's
 swscale (bilinear) through PyAV, which is fast and needs no extra imaging library.
+`resize`, `resize_with_pad` and the uint8 -> float [-1, 1] conversion (`to_unit_range`) are
+shared with the models' input builders and live in `embodied_jax.nn.image`.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-import av
 import numpy as np
 
-
-def resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Bilinear resize of a uint8 [H, W, 3] image (returns the input when the size already matches)."""
-    if image.shape[:2] == (height, width):
-        return image
-    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
-    return frame.reformat(width=width, height=height, format="rgb24", interpolation="BILINEAR").to_ndarray()
-
-
-def resize_with_pad(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Resize keeping the aspect ratio, then centre it on a black (zero) canvas of height x width."""
-    in_h, in_w = image.shape[:2]
-    if (in_h, in_w) == (height, width):
-        return image
-    scale = min(height / in_h, width / in_w)
-    new_h, new_w = max(1, int(round(in_h * scale))), max(1, int(round(in_w * scale)))
-    resized = resize(image, new_h, new_w)
-    out = np.zeros((height, width, 3), np.uint8)
-    top, left = (height - new_h) // 2, (width - new_w) // 2
-    out[top:top + new_h, left:left + new_w] = resized
-    return out
+from embodied_jax.config_registry import register
+from embodied_jax.nn.image import resize, resize_with_pad, to_unit_range
 
 
 def random_crop_resize(image: np.ndarray, rng: np.random.Generator, scale: float = 0.95) -> np.ndarray:
@@ -41,7 +25,7 @@ def random_crop_resize(image: np.ndarray, rng: np.random.Generator, scale: float
     crop_h, crop_w = max(1, int(round(h * scale))), max(1, int(round(w * scale)))
     top = int(rng.integers(0, h - crop_h + 1))
     left = int(rng.integers(0, w - crop_w + 1))
-    return resize(np.ascontiguousarray(image[top:top + crop_h, left:left + crop_w]), h, w)
+    return resize(np.ascontiguousarray(image[top : top + crop_h, left : left + crop_w]), h, w)
 
 
 def rotate(image: np.ndarray, degrees: float) -> np.ndarray:
@@ -57,15 +41,22 @@ def rotate(image: np.ndarray, degrees: float) -> np.ndarray:
     fx, fy = (src_x - x0)[..., None], (src_y - y0)[..., None]
     padded = np.zeros((h + 2, w + 2, 3), np.float32)
     padded[1:-1, 1:-1] = image
+
     def at(y, x):
         return padded[np.clip(y + 1, 0, h + 1), np.clip(x + 1, 0, w + 1)]
-    out = (at(y0, x0) * (1 - fx) * (1 - fy) + at(y0, x0 + 1) * fx * (1 - fy)
-           + at(y0 + 1, x0) * (1 - fx) * fy + at(y0 + 1, x0 + 1) * fx * fy)
+
+    out = (
+        at(y0, x0) * (1 - fx) * (1 - fy)
+        + at(y0, x0 + 1) * fx * (1 - fy)
+        + at(y0 + 1, x0) * (1 - fx) * fy
+        + at(y0 + 1, x0 + 1) * fx * fy
+    )
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
-def color_jitter(image: np.ndarray, *, brightness: float = 1.0, contrast: float = 1.0, saturation: float = 1.0,
-                 hue: float = 0.0) -> np.ndarray:
+def color_jitter(
+    image: np.ndarray, *, brightness: float = 1.0, contrast: float = 1.0, saturation: float = 1.0, hue: float = 0.0
+) -> np.ndarray:
     """Brightness/contrast/saturation factors (1 = unchanged) and a hue rotation in turns (0 = unchanged)."""
     x = image.astype(np.float32) / 255.0
     x = x * brightness
@@ -77,16 +68,14 @@ def color_jitter(image: np.ndarray, *, brightness: float = 1.0, contrast: float 
         # Rotate chroma in YIQ space: a linear approximation of an HSV hue shift.
         to_yiq = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]], np.float32)
         angle = 2 * np.pi * hue
-        rotation = np.array([[1, 0, 0], [0, np.cos(angle), -np.sin(angle)], [0, np.sin(angle), np.cos(angle)]], np.float32)
+        rotation = np.array(
+            [[1, 0, 0], [0, np.cos(angle), -np.sin(angle)], [0, np.sin(angle), np.cos(angle)]], np.float32
+        )
         x = x @ (np.linalg.inv(to_yiq) @ rotation @ to_yiq).T.astype(np.float32)
     return np.clip(np.rint(x * 255.0), 0, 255).astype(np.uint8)
 
 
-def to_float(image: np.ndarray) -> np.ndarray:
-    """uint8 [0, 255] -> float32 [-1, 1] (the Observation contract)."""
-    return image.astype(np.float32) * np.float32(2.0 / 255.0) - np.float32(1.0)
-
-
+@register
 @dataclasses.dataclass(frozen=True)
 class AugmentConfig:
     """Training-time image augmentation (all off when a field is 0 / 1)."""
@@ -104,10 +93,13 @@ class AugmentConfig:
         if self.max_rotation_degrees > 0:
             image = rotate(image, float(rng.uniform(-self.max_rotation_degrees, self.max_rotation_degrees)))
         if self.brightness or self.contrast or self.saturation or self.hue:
-            image = color_jitter(image, brightness=float(rng.uniform(1 - self.brightness, 1 + self.brightness)),
-                                 contrast=float(rng.uniform(1 - self.contrast, 1 + self.contrast)),
-                                 saturation=float(rng.uniform(1 - self.saturation, 1 + self.saturation)),
-                                 hue=float(rng.uniform(-self.hue, self.hue)))
+            image = color_jitter(
+                image,
+                brightness=float(rng.uniform(1 - self.brightness, 1 + self.brightness)),
+                contrast=float(rng.uniform(1 - self.contrast, 1 + self.contrast)),
+                saturation=float(rng.uniform(1 - self.saturation, 1 + self.saturation)),
+                hue=float(rng.uniform(-self.hue, self.hue)),
+            )
         return image
 
 
@@ -139,6 +131,6 @@ class ImageTransform:
                     if rng is None:
                         raise ValueError("augmentation needs the per-record rng")
                     image = self.augment.apply(image, rng)
-                processed.append(to_float(image) if self.as_float else image)
+                processed.append(to_unit_range(image) if self.as_float else image)
             out[key] = processed[0] if single else np.stack(processed)
         return out

@@ -5,25 +5,34 @@ the frame for timestamp ``t`` (seconds inside the file) is the one whose present
 is ``round(t * fps) / fps``, and its real presentation time must lie within ``tolerance_s``
 of ``t``. Decoding seeks to the keyframe before the first requested time and decodes forward.
 """
+
 from __future__ import annotations
 
 import collections
+import functools
 import os
-import threading
 import pathlib
-from typing import Sequence
+import threading
+from collections.abc import Sequence
 
 import av
 import numpy as np
-
-# SVT-AV1 prints its configuration banner to stderr unless told otherwise.
-os.environ.setdefault("SVT_LOG", "1")
 
 CODEC_ENCODERS = {"av1": "libsvtav1", "h264": "h264"}
 
 
 class VideoDecodeError(RuntimeError):
     """A video file could not be opened or decoded, or lacks a requested frame."""
+
+
+@functools.cache
+def _quiet_svt_av1() -> None:
+    """Keep SVT-AV1's configuration banner off stderr (errors only) unless ``SVT_LOG`` is already set.
+
+    The encoder library reads the variable itself when an encoder opens and logs outside
+    FFmpeg's logger, so ``av.logging`` cannot silence it; set once, before the first AV1 encoder.
+    """
+    os.environ.setdefault("SVT_LOG", "1")
 
 
 def encoder_options(codec: str, preset: int = 10) -> dict[str, str]:
@@ -35,7 +44,9 @@ def encoder_options(codec: str, preset: int = 10) -> dict[str, str]:
     raise ValueError(f"unknown video codec {codec!r}; expected one of {sorted(CODEC_ENCODERS)}")
 
 
-def encode_video(path: str | os.PathLike, segments: Sequence[np.ndarray], fps: int, codec: str = "av1") -> list[tuple[float, float]]:
+def encode_video(
+    path: str | os.PathLike, segments: Sequence[np.ndarray], fps: int, codec: str = "av1"
+) -> list[tuple[float, float]]:
     """Encodes one or more frame segments ([T, H, W, 3] uint8 each) into one mp4 stream.
 
     Segments follow each other in time; every segment starts on a forced keyframe (as
@@ -50,6 +61,8 @@ def encode_video(path: str | os.PathLike, segments: Sequence[np.ndarray], fps: i
     if height % 2 or width % 2:
         raise ValueError(f"{path}: yuv420p video needs even height and width, got {height}x{width}")
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if codec == "av1":
+        _quiet_svt_av1()
     spans = []
     pts = 0
     with av.open(str(path), "w", format="mp4") as container:
@@ -58,7 +71,9 @@ def encode_video(path: str | os.PathLike, segments: Sequence[np.ndarray], fps: i
         stream.options = encoder_options(codec)
         for segment in segments:
             if segment.dtype != np.uint8 or segment.ndim != 4 or segment.shape[1:] != (height, width, 3):
-                raise ValueError(f"{path}: frames must be uint8 [T, {height}, {width}, 3], got {segment.dtype} {segment.shape}")
+                raise ValueError(
+                    f"{path}: frames must be uint8 [T, {height}, {width}, 3], got {segment.dtype} {segment.shape}"
+                )
             start = pts
             for index, image in enumerate(segment):
                 frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
@@ -124,7 +139,9 @@ class VideoFile:
         targets = sorted(target_set)
         found: dict[int, tuple[float, np.ndarray]] = {}
         try:
-            self._container.seek(max(0, int(targets[0] / fps / self._time_base)), stream=self._stream, backward=True, any_frame=False)
+            self._container.seek(
+                max(0, int(targets[0] / fps / self._time_base)), stream=self._stream, backward=True, any_frame=False
+            )
             for frame in self._container.decode(self._stream):
                 if frame.pts is None:
                     continue
@@ -137,14 +154,17 @@ class VideoFile:
         except av.error.FFmpegError as exc:
             raise VideoDecodeError(f"{self.path}: decoding failed near t={targets[0] / fps:.4f}s ({exc})") from exc
         out = []
-        for t, index in zip(timestamps, wanted):
+        for t, index in zip(timestamps, wanted, strict=True):
             if index not in found:
-                raise VideoDecodeError(f"{self.path}: no frame at t={t:.4f}s (frame {index}); the video is shorter or lacks it")
+                raise VideoDecodeError(
+                    f"{self.path}: no frame at t={t:.4f}s (frame {index}); the video is shorter or lacks it"
+                )
             time, image = found[index]
             if abs(time - t) > tolerance_s:
                 raise VideoDecodeError(
                     f"{self.path}: frame {index} is at t={time:.6f}s but t={t:.6f}s was requested "
-                    f"(outside tolerance_s={tolerance_s})")
+                    f"(outside tolerance_s={tolerance_s})"
+                )
             out.append(image)
         return np.stack(out)
 
@@ -157,7 +177,9 @@ class VideoFile:
         times, frames = [], []
         end = to_s - 0.5 / fps
         try:
-            self._container.seek(max(0, int(from_s / self._time_base)), stream=self._stream, backward=True, any_frame=False)
+            self._container.seek(
+                max(0, int(from_s / self._time_base)), stream=self._stream, backward=True, any_frame=False
+            )
             for frame in self._container.decode(self._stream):
                 if frame.pts is None:
                     continue
@@ -169,7 +191,9 @@ class VideoFile:
                 times.append(time)
                 frames.append(frame.to_ndarray(format="rgb24"))
         except av.error.FFmpegError as exc:
-            raise VideoDecodeError(f"{self.path}: decoding failed between {from_s:.4f}s and {to_s:.4f}s ({exc})") from exc
+            raise VideoDecodeError(
+                f"{self.path}: decoding failed between {from_s:.4f}s and {to_s:.4f}s ({exc})"
+            ) from exc
         if not frames:
             raise VideoDecodeError(f"{self.path}: no frames between {from_s:.4f}s and {to_s:.4f}s")
         return np.asarray(times), np.stack(frames)

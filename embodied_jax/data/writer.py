@@ -6,12 +6,14 @@ each parquet/mp4 (``episodes_per_file``), so episodes after the first in a file 
 non-zero ``from_timestamp``; files roll over into a new ``chunk-NNN`` directory every
 ``chunk_size`` files. Cameras may instead be stored as PNG bytes inside the parquet.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -56,18 +58,35 @@ def write_lerobot_dataset(
         tasks.setdefault(str(episode["task"]), len(tasks))
     lengths = [len(episode["action"]) for episode in episodes]
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tables = [_episode_table(i, episode, int(starts[i]), fps, tasks, vectors, cameras, image_storage, features)
-              for i, episode in enumerate(episodes)]
-    episode_stats = [_episode_stats(episode, table, vectors, cameras) for episode, table in zip(episodes, tables)]
+    tables = [
+        _episode_table(i, episode, int(starts[i]), fps, tasks, vectors, cameras, image_storage, features)
+        for i, episode in enumerate(episodes)
+    ]
+    episode_stats = [
+        _episode_stats(episode, table, vectors, cameras) for episode, table in zip(episodes, tables, strict=True)
+    ]
 
     if version == fmt.V21:
-        files_per_episode = _write_v21(root, episodes, tables, cameras, fps, codec, image_storage, chunk_size,
-                                       tasks, episode_stats)
+        files_per_episode = _write_v21(
+            root, episodes, tables, cameras, fps, codec, image_storage, chunk_size, tasks, episode_stats
+        )
         total_chunks = (len(episodes) + chunk_size - 1) // chunk_size
         data_path, video_path = fmt.V21_DATA_PATH, fmt.V21_VIDEO_PATH
     else:
-        files_per_episode = _write_v30(root, episodes, tables, cameras, fps, codec, image_storage,
-                                       episodes_per_file or len(episodes), chunk_size, tasks, episode_stats, starts)
+        files_per_episode = _write_v30(
+            root,
+            episodes,
+            tables,
+            cameras,
+            fps,
+            codec,
+            image_storage,
+            episodes_per_file or len(episodes),
+            chunk_size,
+            tasks,
+            episode_stats,
+            starts,
+        )
         total_chunks = files_per_episode
         data_path, video_path = fmt.V30_DATA_PATH, fmt.V30_VIDEO_PATH
 
@@ -110,21 +129,38 @@ def _features(episodes, fps, codec, image_storage):
         height, width = np.asarray(first[key]).shape[1:3]
         if image_storage == "video":
             features[key] = {
-                "dtype": "video", "shape": [int(height), int(width), 3], "names": ["height", "width", "channels"],
-                "info": {"video.height": int(height), "video.width": int(width), "video.codec": codec,
-                         "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "video.fps": fps,
-                         "video.channels": 3, "has_audio": False},
+                "dtype": "video",
+                "shape": [int(height), int(width), 3],
+                "names": ["height", "width", "channels"],
+                "info": {
+                    "video.height": int(height),
+                    "video.width": int(width),
+                    "video.codec": codec,
+                    "video.pix_fmt": "yuv420p",
+                    "video.is_depth_map": False,
+                    "video.fps": fps,
+                    "video.channels": 3,
+                    "has_audio": False,
+                },
             }
         else:
-            features[key] = {"dtype": "image", "shape": [int(height), int(width), 3],
-                             "names": ["height", "width", "channels"]}
+            features[key] = {
+                "dtype": "image",
+                "shape": [int(height), int(width), 3],
+                "names": ["height", "width", "channels"],
+            }
     for key in vectors:
         array = np.asarray(first[key])
         shape = list(array.shape[1:]) or [1]
         names = [f"{key.split('.')[-1]}_{i}" for i in range(shape[0])] if len(shape) == 1 else None
         features[key] = {"dtype": "float32", "shape": shape, "names": names}
-    for key, dtype in ((fmt.TIMESTAMP, "float32"), (fmt.FRAME_INDEX, "int64"), (fmt.EPISODE_INDEX, "int64"),
-                       (fmt.INDEX, "int64"), (fmt.TASK_INDEX, "int64")):
+    for key, dtype in (
+        (fmt.TIMESTAMP, "float32"),
+        (fmt.FRAME_INDEX, "int64"),
+        (fmt.EPISODE_INDEX, "int64"),
+        (fmt.INDEX, "int64"),
+        (fmt.TASK_INDEX, "int64"),
+    ):
         features[key] = {"dtype": dtype, "shape": [1], "names": None}
     for i, episode in enumerate(episodes):
         length = len(episode["action"])
@@ -157,7 +193,8 @@ def _episode_table(episode_index, episode, start, fps, tasks, vectors, cameras, 
             frames = np.asarray(episode[key])
             columns[key] = pa.array(
                 [{"bytes": video.encode_png(frame), "path": f"frame_{i:06d}.png"} for i, frame in enumerate(frames)],
-                type=image_type)
+                type=image_type,
+            )
     frame_index = np.arange(length, dtype=np.int64)
     columns[fmt.TIMESTAMP] = pa.array((frame_index / fps).astype(np.float32))
     columns[fmt.FRAME_INDEX] = pa.array(frame_index)
@@ -169,8 +206,13 @@ def _episode_table(episode_index, episode, start, fps, tasks, vectors, cameras, 
 
 def _array_stats(values: np.ndarray, *, with_quantiles: bool = True) -> dict[str, list]:
     values = np.asarray(values, dtype=np.float64)
-    stats = {"min": values.min(0), "max": values.max(0), "mean": values.mean(0), "std": values.std(0),
-             "count": np.array([len(values)])}
+    stats = {
+        "min": values.min(0),
+        "max": values.max(0),
+        "mean": values.mean(0),
+        "std": values.std(0),
+        "count": np.array([len(values)]),
+    }
     if with_quantiles:
         for name, q in fmt.STATS_QUANTILES.items():
             stats[name] = np.quantile(values, q, axis=0)
@@ -186,11 +228,13 @@ def _episode_stats(episode, table, vectors, cameras):
         stats[key] = _array_stats(table.column(key).to_numpy()[:, None])
     for key in cameras:
         # LeRobot keeps per-channel image stats in [0, 1] with shape [3, 1, 1].
-        frames = np.asarray(episode[key])[::max(1, len(episode[key]) // 8)].astype(np.float64) / 255.0
+        frames = np.asarray(episode[key])[:: max(1, len(episode[key]) // 8)].astype(np.float64) / 255.0
         per_channel = frames.reshape(-1, 3)
         camera = _array_stats(per_channel, with_quantiles=False)
-        stats[key] = {k: (np.asarray(v)[:, None, None].tolist() if k != "count" else [len(episode[key])])
-                      for k, v in camera.items()}
+        stats[key] = {
+            k: (np.asarray(v)[:, None, None].tolist() if k != "count" else [len(episode[key])])
+            for k, v in camera.items()
+        }
     return stats
 
 
@@ -201,9 +245,16 @@ def _aggregate_stats(episode_stats, lengths):
     for key in episode_stats[0]:
         per = [s[key] for s in episode_stats]
         mean = np.average([np.asarray(p["mean"]) for p in per], axis=0, weights=weights)
-        second = np.average([np.asarray(p["std"]) ** 2 + np.asarray(p["mean"]) ** 2 for p in per], axis=0, weights=weights)
-        entry = {"min": np.min([p["min"] for p in per], 0), "max": np.max([p["max"] for p in per], 0),
-                 "mean": mean, "std": np.sqrt(np.maximum(second - mean ** 2, 0.0)), "count": [int(weights.sum())]}
+        second = np.average(
+            [np.asarray(p["std"]) ** 2 + np.asarray(p["mean"]) ** 2 for p in per], axis=0, weights=weights
+        )
+        entry = {
+            "min": np.min([p["min"] for p in per], 0),
+            "max": np.max([p["max"] for p in per], 0),
+            "mean": mean,
+            "std": np.sqrt(np.maximum(second - mean**2, 0.0)),
+            "count": [int(weights.sum())],
+        }
         for name in fmt.STATS_QUANTILES:
             if name in per[0]:
                 entry[name] = np.average([np.asarray(p[name]) for p in per], axis=0, weights=weights)
@@ -219,23 +270,44 @@ def _write_v21(root, episodes, tables, cameras, fps, codec, image_storage, chunk
         pq.write_table(table, path)
         if image_storage == "video":
             for key in cameras:
-                video.encode_video(root / fmt.V21_VIDEO_PATH.format(episode_chunk=chunk, video_key=key, episode_index=i),
-                                   [np.asarray(episodes[i][key])], fps, codec)
+                video.encode_video(
+                    root / fmt.V21_VIDEO_PATH.format(episode_chunk=chunk, video_key=key, episode_index=i),
+                    [np.asarray(episodes[i][key])],
+                    fps,
+                    codec,
+                )
     _write_jsonl(root / fmt.V21_TASKS_PATH, [{"task_index": v, "task": k} for k, v in tasks.items()])
-    _write_jsonl(root / fmt.V21_EPISODES_PATH,
-                 [{"episode_index": i, "tasks": [str(e["task"])], "length": len(e["action"])} for i, e in enumerate(episodes)])
-    _write_jsonl(root / fmt.V21_EPISODES_STATS_PATH,
-                 [{"episode_index": i, "stats": s} for i, s in enumerate(episode_stats)])
+    _write_jsonl(
+        root / fmt.V21_EPISODES_PATH,
+        [{"episode_index": i, "tasks": [str(e["task"])], "length": len(e["action"])} for i, e in enumerate(episodes)],
+    )
+    _write_jsonl(
+        root / fmt.V21_EPISODES_STATS_PATH, [{"episode_index": i, "stats": s} for i, s in enumerate(episode_stats)]
+    )
     return len(episodes)
 
 
-def _write_v30(root, episodes, tables, cameras, fps, codec, image_storage, episodes_per_file, chunk_size, tasks,
-               episode_stats, starts):
+def _write_v30(
+    root,
+    episodes,
+    tables,
+    cameras,
+    fps,
+    codec,
+    image_storage,
+    episodes_per_file,
+    chunk_size,
+    tasks,
+    episode_stats,
+    starts,
+):
     rows: list[dict[str, Any]] = []
     num_files = (len(episodes) + episodes_per_file - 1) // episodes_per_file
     for file_number in range(num_files):
         chunk, file_index = divmod(file_number, chunk_size)
-        members = list(range(file_number * episodes_per_file, min(len(episodes), (file_number + 1) * episodes_per_file)))
+        members = list(
+            range(file_number * episodes_per_file, min(len(episodes), (file_number + 1) * episodes_per_file))
+        )
         path = root / fmt.V30_DATA_PATH.format(chunk_index=chunk, file_index=file_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.concat_tables([tables[i] for i in members]), path)
@@ -244,11 +316,20 @@ def _write_v30(root, episodes, tables, cameras, fps, codec, image_storage, episo
             for key in cameras:
                 spans[key] = video.encode_video(
                     root / fmt.V30_VIDEO_PATH.format(video_key=key, chunk_index=chunk, file_index=file_index),
-                    [np.asarray(episodes[i][key]) for i in members], fps, codec)
+                    [np.asarray(episodes[i][key]) for i in members],
+                    fps,
+                    codec,
+                )
         for position, i in enumerate(members):
-            row = {"episode_index": i, "tasks": [str(episodes[i]["task"])], "length": len(episodes[i]["action"]),
-                   "data/chunk_index": chunk, "data/file_index": file_index,
-                   "dataset_from_index": int(starts[i]), "dataset_to_index": int(starts[i + 1])}
+            row = {
+                "episode_index": i,
+                "tasks": [str(episodes[i]["task"])],
+                "length": len(episodes[i]["action"]),
+                "data/chunk_index": chunk,
+                "data/file_index": file_index,
+                "dataset_from_index": int(starts[i]),
+                "dataset_to_index": int(starts[i + 1]),
+            }
             for key in spans:
                 row[f"videos/{key}/chunk_index"] = chunk
                 row[f"videos/{key}/file_index"] = file_index
@@ -264,12 +345,34 @@ def _write_v30(root, episodes, tables, cameras, fps, codec, image_storage, episo
     episodes_path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), episodes_path)
     # LeRobot writes a pandas frame whose (unnamed) index holds the task strings.
-    task_table = pa.table({"task_index": pa.array(list(tasks.values()), pa.int64()),
-                           "__index_level_0__": pa.array(list(tasks.keys()), pa.string())})
-    pandas_meta = {"index_columns": ["__index_level_0__"], "column_indexes": [], "columns": [
-        {"name": "task_index", "field_name": "task_index", "pandas_type": "int64", "numpy_type": "int64", "metadata": None},
-        {"name": None, "field_name": "__index_level_0__", "pandas_type": "unicode", "numpy_type": "object", "metadata": None}],
-        "creator": {"library": "pyarrow", "version": pa.__version__}, "pandas_version": "2.2.3"}
+    task_table = pa.table(
+        {
+            "task_index": pa.array(list(tasks.values()), pa.int64()),
+            "__index_level_0__": pa.array(list(tasks.keys()), pa.string()),
+        }
+    )
+    pandas_meta = {
+        "index_columns": ["__index_level_0__"],
+        "column_indexes": [],
+        "columns": [
+            {
+                "name": "task_index",
+                "field_name": "task_index",
+                "pandas_type": "int64",
+                "numpy_type": "int64",
+                "metadata": None,
+            },
+            {
+                "name": None,
+                "field_name": "__index_level_0__",
+                "pandas_type": "unicode",
+                "numpy_type": "object",
+                "metadata": None,
+            },
+        ],
+        "creator": {"library": "pyarrow", "version": pa.__version__},
+        "pandas_version": "2.2.3",
+    }
     task_table = task_table.replace_schema_metadata({b"pandas": json.dumps(pandas_meta).encode()})
     pq.write_table(task_table, root / fmt.V30_TASKS_PATH)
     return (num_files + chunk_size - 1) // chunk_size

@@ -23,6 +23,7 @@ Reverse (``--reverse``): reads such a checkpoint and writes ``DIR/model.safetens
 upstream layout; tensors on the layout's ignore list (e.g. π0.5's unused expert ``lm_head``) are
 written only when ``--like SRC`` names the original checkpoint, whose dtypes are then kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -140,9 +141,12 @@ def main(argv=None) -> None:
     parser.add_argument("--reverse", action="store_true", help="our Orbax checkpoint -> upstream safetensors")
     parser.add_argument("--like", default=None, help="with --reverse: original checkpoint (ignored tensors, dtypes)")
     parser.add_argument("--dtype", default=None, help="with --reverse: write every model tensor in this dtype")
-    parser.add_argument("--layout", default=None,
-                        help="checkpoint layout for archs with several (gr00t_n15: lerobot|nvidia); forward "
-                             "conversion detects it when omitted")
+    parser.add_argument(
+        "--layout",
+        default=None,
+        help="checkpoint layout for archs with several (gr00t_n15: lerobot|nvidia); forward "
+        "conversion detects it when omitted",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     arch = ARCHS[args.arch]

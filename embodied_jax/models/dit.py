@@ -27,6 +27,7 @@ Dropout (upstream 0.2 in both): the attention output passes ``to_out``'s dropout
 block's ``final_dropout`` (rate p twice, applied here as one draw of rate 1-(1-p)^2, the
 same distribution); the feed-forward drops after the activation and after ``net.2``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from embodied_jax.config_registry import register
 from embodied_jax.nn.attention import attention
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import timestep_embedding
@@ -67,8 +69,9 @@ class BlockSpec:
 class Attention(nnx.Module):
     """diffusers ``Attention`` with biases: ``to_q``, ``to_k``, ``to_v``, ``to_out``."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, context_dim: int | None, spec: BlockSpec,
-                 *, rngs: nnx.Rngs):
+    def __init__(
+        self, dim: int, heads: int, head_dim: int, context_dim: int | None, spec: BlockSpec, *, rngs: nnx.Rngs
+    ):
         self.heads, self.head_dim, self.impl = heads, head_dim, spec.attention_impl
         inner = heads * head_dim
         common = dict(fp8=spec.fp8, dtype=spec.dtype, param_dtype=spec.param_dtype, lora=spec.lora, rngs=rngs)
@@ -93,10 +96,15 @@ class Attention(nnx.Module):
         # Explicit zero block ids: full attention within a segment, and the mask path of the
         # fused backends (their varlen path needs the same segment numbering on both sides).
         out = attention(
-            q, k.astype(q.dtype), v.astype(q.dtype),
-            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            q_block_ids=jnp.zeros_like(q_segment_ids), kv_block_ids=jnp.zeros_like(kv_segment_ids),
-            impl=self.impl, bounds=bounds,
+            q,
+            k.astype(q.dtype),
+            v.astype(q.dtype),
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            q_block_ids=jnp.zeros_like(q_segment_ids),
+            kv_block_ids=jnp.zeros_like(kv_segment_ids),
+            impl=self.impl,
+            bounds=bounds,
         )
         return self.to_out(out.reshape(b, t, self.heads * self.head_dim))
 
@@ -119,24 +127,50 @@ class FeedForward(nnx.Module):
 class BasicTransformerBlock(nnx.Module):
     """One pre-norm attention + feed-forward block (``ada_norm`` for the DiT, affine LN otherwise)."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, spec: BlockSpec, *, context_dim: int | None = None,
-                 ada_norm: bool = False, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        spec: BlockSpec,
+        *,
+        context_dim: int | None = None,
+        ada_norm: bool = False,
+        rngs: nnx.Rngs,
+    ):
         self.ada_norm = ada_norm
         self.rate = spec.dropout
         self.is_cross = context_dim is not None
         if ada_norm:
-            self.norm1 = AdaLayerNorm(dim, dim, eps=1e-5, chunk_order=("scale", "shift"), dtype=spec.dtype,
-                                      param_dtype=spec.param_dtype, rngs=rngs)
+            self.norm1 = AdaLayerNorm(
+                dim,
+                dim,
+                eps=1e-5,
+                chunk_order=("scale", "shift"),
+                dtype=spec.dtype,
+                param_dtype=spec.param_dtype,
+                rngs=rngs,
+            )
         else:
             self.norm1 = LayerNorm(dim, eps=1e-5, dtype=spec.dtype, param_dtype=spec.param_dtype)
         self.attn1 = Attention(dim, heads, head_dim, context_dim, spec, rngs=rngs)
         affine = not ada_norm  # DiT blocks: norm_elementwise_affine=False
-        self.norm3 = LayerNorm(dim, eps=1e-5, use_scale=affine, use_bias=affine, dtype=spec.dtype,
-                               param_dtype=spec.param_dtype)
+        self.norm3 = LayerNorm(
+            dim, eps=1e-5, use_scale=affine, use_bias=affine, dtype=spec.dtype, param_dtype=spec.param_dtype
+        )
         self.ff = FeedForward(dim, spec, rngs=rngs)
 
-    def __call__(self, x, temb=None, q_segment_ids=None, context=None, kv_segment_ids=None,
-                 context_gather=None, key=None, bounds=None):
+    def __call__(
+        self,
+        x,
+        temb=None,
+        q_segment_ids=None,
+        context=None,
+        kv_segment_ids=None,
+        context_gather=None,
+        key=None,
+        bounds=None,
+    ):
         h = self.norm1(x, temb) if self.ada_norm else self.norm1(x)
         if self.is_cross:
             h = self.attn1(h, q_segment_ids, context, kv_segment_ids, context_gather)
@@ -147,13 +181,13 @@ class BasicTransformerBlock(nnx.Module):
         return shard_tokens(x + self.ff(self.norm3(x), k_ff).astype(x.dtype))
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
     num_layers: int = 16
     num_heads: int = 32
     head_dim: int = 48
     output_dim: int = 1024
-    cross_attention_dim: int = 2048
     interleave_self_attention: bool = True
     dropout: float = 0.2
     timestep_channels: int = 256
@@ -190,11 +224,12 @@ class TimestepEncoder(nnx.Module):
 class DiTBlockPair(nnx.Module):
     """Upstream blocks 2i (cross-attention) and 2i+1 (self-attention) as one scan step."""
 
-    def __init__(self, cfg: DiTConfig, spec: BlockSpec, *, rngs: nnx.Rngs):
-        dim = cfg.inner_dim
-        self.cross_block = BasicTransformerBlock(dim, cfg.num_heads, cfg.head_dim, spec, ada_norm=True,
-                                                 context_dim=cfg.cross_attention_dim, rngs=rngs)
-        self.self_block = BasicTransformerBlock(dim, cfg.num_heads, cfg.head_dim, spec, ada_norm=True, rngs=rngs)
+    def __init__(self, config: DiTConfig, spec: BlockSpec, *, cross_attention_dim: int, rngs: nnx.Rngs):
+        dim = config.inner_dim
+        self.cross_block = BasicTransformerBlock(
+            dim, config.num_heads, config.head_dim, spec, ada_norm=True, context_dim=cross_attention_dim, rngs=rngs
+        )
+        self.self_block = BasicTransformerBlock(dim, config.num_heads, config.head_dim, spec, ada_norm=True, rngs=rngs)
 
     def __call__(self, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids, context_gather, key=None):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
@@ -205,9 +240,16 @@ class DiTBlockPair(nnx.Module):
 class CrossBlock(nnx.Module):
     """A non-interleaved DiT block: cross-attention only (same call signature as a pair)."""
 
-    def __init__(self, cfg: DiTConfig, spec: BlockSpec, *, rngs: nnx.Rngs):
-        self.block = BasicTransformerBlock(cfg.inner_dim, cfg.num_heads, cfg.head_dim, spec, ada_norm=True,
-                                           context_dim=cfg.cross_attention_dim, rngs=rngs)
+    def __init__(self, config: DiTConfig, spec: BlockSpec, *, cross_attention_dim: int, rngs: nnx.Rngs):
+        self.block = BasicTransformerBlock(
+            config.inner_dim,
+            config.num_heads,
+            config.head_dim,
+            spec,
+            ada_norm=True,
+            context_dim=cross_attention_dim,
+            rngs=rngs,
+        )
 
     def __call__(self, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids, context_gather, key=None):
         del self_segment_ids
@@ -215,23 +257,30 @@ class CrossBlock(nnx.Module):
 
 
 class DiT(nnx.Module):
-    def __init__(self, cfg: DiTConfig, spec: BlockSpec, *, scan_layers: bool = True, remat_policy: str = "none",
-                 rngs: nnx.Rngs):
-        if cfg.interleave_self_attention and cfg.num_layers % 2:
-            raise ValueError(f"DiTConfig.num_layers={cfg.num_layers} must be even with interleave_self_attention")
-        self.cfg, self.scan_layers, self.remat_policy = cfg, scan_layers, remat_policy
-        dim = cfg.inner_dim
-        self.timestep_encoder = TimestepEncoder(dim, cfg.timestep_channels, spec, rngs=rngs)
-        if cfg.interleave_self_attention:
-            self.num_steps = cfg.num_layers // 2
-            factory = lambda r: DiTBlockPair(cfg, spec, rngs=r)  # noqa: E731
-        else:
-            self.num_steps = cfg.num_layers
-            factory = lambda r: CrossBlock(cfg, spec, rngs=r)  # noqa: E731
+    """``cross_attention_dim``: the width of the VL context (GR00T: the backbone's)."""
+
+    def __init__(
+        self,
+        config: DiTConfig,
+        spec: BlockSpec,
+        *,
+        cross_attention_dim: int,
+        scan_layers: bool = True,
+        remat_policy: str = "none",
+        rngs: nnx.Rngs,
+    ):
+        if config.interleave_self_attention and config.num_layers % 2:
+            raise ValueError(f"DiTConfig.num_layers={config.num_layers} must be even with interleave_self_attention")
+        self.config, self.scan_layers, self.remat_policy = config, scan_layers, remat_policy
+        dim = config.inner_dim
+        self.timestep_encoder = TimestepEncoder(dim, config.timestep_channels, spec, rngs=rngs)
+        block = DiTBlockPair if config.interleave_self_attention else CrossBlock
+        self.num_steps = config.num_layers // 2 if config.interleave_self_attention else config.num_layers
+        factory = lambda r: block(config, spec, cross_attention_dim=cross_attention_dim, rngs=r)  # noqa: E731
         self.transformer_blocks = build_stack(factory, self.num_steps, scan=scan_layers, rngs=rngs)
         common = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, rngs=rngs)
         self.proj_out_1 = Dense(dim, 2 * dim, axes=("cond", "embed"), **common)
-        self.proj_out_2 = Dense(dim, cfg.output_dim, axes=("embed", "mlp"), **common)
+        self.proj_out_2 = Dense(dim, config.output_dim, axes=("embed", "mlp"), **common)
 
     def __call__(self, x, timesteps, context, *, q_segment_ids, kv_segment_ids, context_gather=None, key=None):
         """x [B, T, D]; timesteps int [B]; context [R, S, Dc]; q_segment_ids [B, T] (the
@@ -240,14 +289,24 @@ class DiT(nnx.Module):
         self_segment_ids = jnp.ones(x.shape[:2], jnp.int32)
         keys = PerLayer(jax.random.split(key, self.num_steps)) if key is not None else None
         x = run_stack(
-            self.transformer_blocks, x, temb, q_segment_ids, self_segment_ids, context, kv_segment_ids,
-            context_gather, keys, scan=self.scan_layers, remat_policy=self.remat_policy,
+            self.transformer_blocks,
+            x,
+            temb,
+            q_segment_ids,
+            self_segment_ids,
+            context,
+            kv_segment_ids,
+            context_gather,
+            keys,
+            scan=self.scan_layers,
+            remat_policy=self.remat_policy,
         )
         shift, scale = jnp.split(self.proj_out_1(jax.nn.silu(temb)).astype(jnp.float32), 2, axis=-1)
         h = layer_normalize(x, 1e-6) * (1.0 + scale[:, None]) + shift[:, None]
         return self.proj_out_2(h.astype(x.dtype))
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class VLSelfAttentionConfig:
     num_layers: int = 4
@@ -259,16 +318,33 @@ class VLSelfAttentionConfig:
 class SelfAttentionTransformer(nnx.Module):
     """``vl_self_attention``: affine-LayerNorm self-attention blocks over the VL tokens."""
 
-    def __init__(self, cfg: VLSelfAttentionConfig, spec: BlockSpec, *, scan_layers: bool = True,
-                 remat_policy: str = "none", rngs: nnx.Rngs):
-        self.cfg, self.scan_layers, self.remat_policy = cfg, scan_layers, remat_policy
-        dim = cfg.num_heads * cfg.head_dim
+    def __init__(
+        self,
+        config: VLSelfAttentionConfig,
+        spec: BlockSpec,
+        *,
+        scan_layers: bool = True,
+        remat_policy: str = "none",
+        rngs: nnx.Rngs,
+    ):
+        self.config, self.scan_layers, self.remat_policy = config, scan_layers, remat_policy
+        dim = config.num_heads * config.head_dim
         self.transformer_blocks = build_stack(
-            lambda r: BasicTransformerBlock(dim, cfg.num_heads, cfg.head_dim, spec, rngs=r),
-            cfg.num_layers, scan=scan_layers, rngs=rngs,
+            lambda r: BasicTransformerBlock(dim, config.num_heads, config.head_dim, spec, rngs=r),
+            config.num_layers,
+            scan=scan_layers,
+            rngs=rngs,
         )
 
     def __call__(self, x, segment_ids, key=None, bounds=None):
-        keys = PerLayer(jax.random.split(key, self.cfg.num_layers)) if key is not None else None
-        return run_stack(self.transformer_blocks, x, None, segment_ids, key=keys, bounds=bounds,
-                         scan=self.scan_layers, remat_policy=self.remat_policy)
+        keys = PerLayer(jax.random.split(key, self.config.num_layers)) if key is not None else None
+        return run_stack(
+            self.transformer_blocks,
+            x,
+            None,
+            segment_ids,
+            key=keys,
+            bounds=bounds,
+            scan=self.scan_layers,
+            remat_policy=self.remat_policy,
+        )

@@ -12,6 +12,7 @@ layers; the features are its final RMSNorm output.
 ``EagleBackbone`` is upstream's ``backbone`` (``eagle_linear`` is the identity in N1.5:
 ``project_to_dim=None``, so it holds no parameters).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from embodied_jax.config_registry import register
 from embodied_jax.models.qwen3 import Qwen3Config, Qwen3Model
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
 from embodied_jax.nn.dense import Dense
@@ -28,6 +30,7 @@ from embodied_jax.nn.embeddings import fill_image_tokens
 from embodied_jax.parallel.partition import shard_tokens
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class EagleConfig:
     vision: SiglipConfig
@@ -36,39 +39,64 @@ class EagleConfig:
 
 
 class Eagle25(nnx.Module):
-    def __init__(self, cfg: EagleConfig, *, dtype: Any = None, param_dtype: Any = jnp.float32, fp8: str = "none",
-                 attention_impl: str = "auto", scan_layers: bool = True, remat_policy: str = "none",
-                 rngs: nnx.Rngs):
-        self.cfg = cfg
-        common = dict(dtype=dtype, param_dtype=param_dtype, fp8=fp8, attention_impl=attention_impl,
-                      scan_layers=scan_layers, remat_policy=remat_policy, rngs=rngs)
-        self.vision_model = SiglipVisionModel(cfg.vision, **common)
-        self.mlp1 = Dense(cfg.vision.width, cfg.llm.width, axes=("embed", "mlp"), fp8=fp8, dtype=dtype,
-                          param_dtype=param_dtype, rngs=rngs)
-        self.language_model = Qwen3Model(cfg.llm, **common)
+    def __init__(
+        self,
+        config: EagleConfig,
+        *,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        fp8: str = "none",
+        attention_impl: str = "auto",
+        scan_layers: bool = True,
+        remat_policy: str = "none",
+        rngs: nnx.Rngs,
+    ):
+        self.config = config
+        common = dict(
+            dtype=dtype,
+            param_dtype=param_dtype,
+            fp8=fp8,
+            attention_impl=attention_impl,
+            scan_layers=scan_layers,
+            remat_policy=remat_policy,
+            rngs=rngs,
+        )
+        self.vision_model = SiglipVisionModel(config.vision, **common)
+        self.mlp1 = Dense(
+            config.vision.width,
+            config.llm.width,
+            axes=("embed", "mlp"),
+            fp8=fp8,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.language_model = Qwen3Model(config.llm, **common)
 
     def image_features(self, images):
         """images [N, H, W, 3] in [-1, 1] -> projected image tokens [N, P, D_llm]."""
         return self.mlp1(self.vision_model(images))
 
-    def __call__(self, images, tokens, positions, q_segment_ids, kv_segment_ids=None, *, causal_blocks=True,
-                 bounds=None):
+    def __call__(
+        self, images, tokens, positions, q_segment_ids, kv_segment_ids=None, *, causal_blocks=True, bounds=None
+    ):
         """images [R, k, H, W, 3] (row r's image-context tokens take its k images in order) or None."""
         emb = self.language_model.embed(tokens)
         if images is not None:
             r, k = images.shape[:2]
             features = self.image_features(images.reshape(r * k, *images.shape[2:]))
             rows = features.reshape(r, k * features.shape[1], features.shape[-1])
-            emb = fill_image_tokens(emb, tokens == self.cfg.image_token_id, rows)
-        return self.language_model(shard_tokens(emb), positions, q_segment_ids, kv_segment_ids,
-                                   causal_blocks=causal_blocks, bounds=bounds)
+            emb = fill_image_tokens(emb, tokens == self.config.image_token_id, rows)
+        return self.language_model(
+            shard_tokens(emb), positions, q_segment_ids, kv_segment_ids, causal_blocks=causal_blocks, bounds=bounds
+        )
 
 
 class EagleBackbone(nnx.Module):
     """Upstream ``backbone``: holds ``eagle_model``; features = its final-normed hidden states."""
 
-    def __init__(self, cfg: EagleConfig, **kwargs):
-        self.eagle_model = Eagle25(cfg, **kwargs)
+    def __init__(self, config: EagleConfig, **kwargs):
+        self.eagle_model = Eagle25(config, **kwargs)
 
     def __call__(self, *args, **kwargs) -> jax.Array:
         return self.eagle_model(*args, **kwargs)

@@ -13,15 +13,18 @@ Parameters (upstream Gemma names): ``embed_tokens.embedding`` (stream 0's vocabu
 ``layers[.i].experts.<e>.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
 mlp.{gate,up,down}_proj}`` and ``final_norms.<e>``.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from embodied_jax.config_registry import register
 from embodied_jax.nn.attention import KVCache, attention
 from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.dense import Dense
@@ -34,6 +37,7 @@ from embodied_jax.nn.stack import PerLayer, build_stack, run_stack
 from embodied_jax.parallel.partition import shard_tokens
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class GemmaConfig:
     width: int
@@ -47,14 +51,16 @@ class GemmaConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"GemmaConfig: num_heads {self.num_heads} is not a multiple of "
-                             f"num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"GemmaConfig: num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
 
 def _norm(config: GemmaConfig, eps, dtype, param_dtype, rngs):
     if config.use_adarms:
-        return AdaRMSNorm(config.width, config.cond_dim or config.width, eps=eps, dtype=dtype,
-                          param_dtype=param_dtype, rngs=rngs)
+        return AdaRMSNorm(
+            config.width, config.cond_dim or config.width, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
     return RMSNorm(config.width, eps=eps, zero_centered=True, dtype=dtype, param_dtype=param_dtype)
 
 
@@ -90,11 +96,20 @@ class GemmaExpertBlock(nnx.Module):
 
     def __init__(self, config: GemmaConfig, *, eps, dtype, param_dtype, fp8, lora, rngs):
         self.input_layernorm = _norm(config, eps, dtype, param_dtype, rngs)
-        self.self_attn = GemmaAttentionWeights(config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora,
-                                               rngs=rngs)
+        self.self_attn = GemmaAttentionWeights(
+            config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora, rngs=rngs
+        )
         self.post_attention_layernorm = _norm(config, eps, dtype, param_dtype, rngs)
-        self.mlp = GatedMLP(config.width, config.mlp_dim, activation="gelu_tanh", fp8=fp8, dtype=dtype,
-                            param_dtype=param_dtype, lora=lora, rngs=rngs)
+        self.mlp = GatedMLP(
+            config.width,
+            config.mlp_dim,
+            activation="gelu_tanh",
+            fp8=fp8,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            lora=lora,
+            rngs=rngs,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,28 +127,31 @@ class TokenLayout:
     bounds: SegmentBounds | None = None
 
 
-jax.tree_util.register_dataclass(TokenLayout, data_fields=["segment_ids", "block_ids", "positions"],
-                                 meta_fields=["bounds"])
+jax.tree_util.register_dataclass(
+    TokenLayout, data_fields=["segment_ids", "block_ids", "positions"], meta_fields=["bounds"]
+)
 
 
 class JointGemmaLayer(nnx.Module):
-    def __init__(self, configs: Sequence[GemmaConfig], *, eps, rope_theta, attention_impl, dtype, param_dtype,
-                 fp8, lora, rngs):
+    def __init__(
+        self, configs: Sequence[GemmaConfig], *, eps, rope_theta, attention_impl, dtype, param_dtype, fp8, lora, rngs
+    ):
         self.num_heads = configs[0].num_heads
         self.num_kv_heads = configs[0].num_kv_heads
         self.head_dim = configs[0].head_dim
         self.rope_theta = rope_theta
         self.attention_impl = attention_impl
-        self.experts = nnx.List([
-            GemmaExpertBlock(c, eps=eps, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora, rngs=rngs)
-            for c in configs
-        ])
+        self.experts = nnx.List(
+            [
+                GemmaExpertBlock(c, eps=eps, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora, rngs=rngs)
+                for c in configs
+            ]
+        )
 
-    def __call__(self, xs, layout: TokenLayout, conds, cache_k=None, cache_v=None, cache_ids=None, *,
-                 return_kv=False):
+    def __call__(self, xs, layout: TokenLayout, conds, cache_k=None, cache_v=None, cache_ids=None, *, return_kv=False):
         """xs: per-stream [B, T_i, D_i] or None. Returns (new xs, (k, v) of these tokens or None)."""
         qs, ks, vs, gates = [], [], [], []
-        for block, x, cond in zip(self.experts, xs, conds):
+        for block, x, cond in zip(self.experts, xs, conds, strict=True):
             if x is None:
                 gates.append(None)
                 continue
@@ -150,17 +168,27 @@ class JointGemmaLayer(nnx.Module):
         cache = None
         if cache_k is not None:
             cache = KVCache(k=cache_k, v=cache_v, segment_ids=cache_ids[0], block_ids=cache_ids[1])
-        out = attention(q, k, v, q_segment_ids=layout.segment_ids, kv_segment_ids=layout.segment_ids,
-                        q_block_ids=layout.block_ids, kv_block_ids=layout.block_ids, cache=cache,
-                        impl=self.attention_impl, scale=self.head_dim ** -0.5, bounds=layout.bounds)
+        out = attention(
+            q,
+            k,
+            v,
+            q_segment_ids=layout.segment_ids,
+            kv_segment_ids=layout.segment_ids,
+            q_block_ids=layout.block_ids,
+            kv_block_ids=layout.block_ids,
+            cache=cache,
+            impl=self.attention_impl,
+            scale=self.head_dim**-0.5,
+            bounds=layout.bounds,
+        )
         out = out.reshape(*out.shape[:2], self.num_heads * self.head_dim)
         new_xs, start = [], 0
-        for block, x, cond, gate in zip(self.experts, xs, conds, gates):
+        for block, x, cond, gate in zip(self.experts, xs, conds, gates, strict=True):
             if x is None:
                 new_xs.append(None)
                 continue
             t = x.shape[1]
-            attn_out = block.self_attn.o_proj(out[:, start:start + t])
+            attn_out = block.self_attn.o_proj(out[:, start : start + t])
             start += t
             x = shard_tokens(_gated(x, attn_out.astype(x.dtype), gate))
             h, gate2 = _apply_norm(block.post_attention_layernorm, x, cond)
@@ -193,18 +221,29 @@ class MultiExpertGemma(nnx.Module):
         for i, c in enumerate(configs[1:], 1):
             for field in ("depth", "num_heads", "num_kv_heads", "head_dim"):
                 if getattr(c, field) != getattr(first, field):
-                    raise ValueError(f"MultiExpertGemma: expert {i} has {field}={getattr(c, field)}, "
-                                     f"expert 0 has {getattr(first, field)}; joint attention needs them equal")
+                    raise ValueError(
+                        f"MultiExpertGemma: expert {i} has {field}={getattr(c, field)}, "
+                        f"expert 0 has {getattr(first, field)}; joint attention needs them equal"
+                    )
         self.configs = configs
         self.scan_layers = scan_layers
         self.remat_policy = remat_policy
         self.dtype = dtype
-        self.embed_tokens = (Embed(vocab_size, first.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                             if vocab_size else None)
-        layer_kw = dict(eps=eps, rope_theta=rope_theta, attention_impl=attention_impl, dtype=dtype,
-                        param_dtype=param_dtype, fp8=fp8, lora=lora)
-        self.layers = build_stack(lambda r: JointGemmaLayer(configs, rngs=r, **layer_kw), first.depth,
-                                  scan=scan_layers, rngs=rngs)
+        self.embed_tokens = (
+            Embed(vocab_size, first.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs) if vocab_size else None
+        )
+        layer_kw = dict(
+            eps=eps,
+            rope_theta=rope_theta,
+            attention_impl=attention_impl,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            fp8=fp8,
+            lora=lora,
+        )
+        self.layers = build_stack(
+            lambda r: JointGemmaLayer(configs, rngs=r, **layer_kw), first.depth, scan=scan_layers, rngs=rngs
+        )
         self.final_norms = nnx.List([_norm(c, eps, dtype, param_dtype, rngs) for c in configs])
 
     def embed(self, tokens):
@@ -224,15 +263,28 @@ class MultiExpertGemma(nnx.Module):
         conds = tuple(conds) if conds is not None else (None,) * len(xs)
         if len(xs) != len(self.configs):
             raise ValueError(f"MultiExpertGemma: got {len(xs)} streams for {len(self.configs)} experts")
-        for i, (x, cond, c) in enumerate(zip(xs, conds, self.configs)):
+        for i, (x, cond, c) in enumerate(zip(xs, conds, self.configs, strict=True)):
             if x is not None and c.use_adarms and cond is None:
                 raise ValueError(f"MultiExpertGemma: stream {i} uses AdaRMS and needs a condition")
         cache_k = cache_v = cache_ids = None
         if cache is not None:
             (k, v), cache_ids = cache
             cache_k, cache_v = PerLayer(k), PerLayer(v)
-        carry, kv = run_stack(self.layers, xs, layout, conds, cache_k, cache_v, cache_ids, scan=self.scan_layers,
-                              remat_policy=self.remat_policy, with_outputs=True, return_kv=return_kv)
-        outs = tuple(None if x is None else _apply_norm(norm, x, cond)[0]
-                     for norm, x, cond in zip(self.final_norms, carry, conds))
+        carry, kv = run_stack(
+            self.layers,
+            xs,
+            layout,
+            conds,
+            cache_k,
+            cache_v,
+            cache_ids,
+            scan=self.scan_layers,
+            remat_policy=self.remat_policy,
+            with_outputs=True,
+            return_kv=return_kv,
+        )
+        outs = tuple(
+            None if x is None else _apply_norm(norm, x, cond)[0]
+            for norm, x, cond in zip(self.final_norms, carry, conds, strict=True)
+        )
         return outs, kv

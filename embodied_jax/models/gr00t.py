@@ -3,13 +3,14 @@
 ``Gr00tPolicy`` = ``backbone`` (Eagle 2.5: SigLIP + ``mlp1`` + truncated Qwen3) and
 ``action_head`` (VL LayerNorm + adapter, embodiment-specific encoders/decoder, DiT).
 
-Flow matching as upstream: t = (s - Beta(1.5, 1)) / s with s = 0.999 (t = 0 noise, t = 1
-data), x_t = (1 - t) noise + t actions, target = actions - noise, timestep bucket
-floor(1000 t) for the DiT and the action encoder, MSE masked by ``action_mask``.
+Flow matching as upstream: t = (s - Beta(a, b)) / s with (a, b) = ``time_beta`` = (1.5, 1) and
+s = ``time_scale`` = 0.999 (t = 0 noise, t = 1 data), x_t = (1 - t) noise + t actions,
+target = actions - noise, timestep bucket floor(1000 t) for the DiT and the action encoder,
+MSE masked by ``action_mask``.
 Sampling: backbone + adapter once, K Euler steps (bucket int(k / K * 1000)) of the DiT.
 
 Batch (DESIGN.md observation + training keys):
-  ``images`` {camera: [B, H, W, 3] in [-1, 1]} (cameras in ``Gr00tConfig.cameras`` order),
+  ``images`` {camera: [B, H, W, 3] in [-1, 1]} (cameras in ``Gr00tConfig.camera_names`` order),
   ``tokens`` int32 [B, L], ``token_mask`` bool [B, L] (the prompt from ``gr00t_inputs``),
   ``state`` [B, max_state_dim], ``embodiment_id`` int32 [B], ``actions`` [B, horizon,
   action_dim], ``action_mask`` [B, horizon, action_dim] (optional; all ones).
@@ -28,6 +29,7 @@ image-context tokens are filled from its image).
 query rows still attend the real tokens before them, as HF does) while the VL adapter and
 the DiT cross-attention attend every VL token, padding included.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,144 +40,148 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from embodied_jax.config_registry import register
 from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.eagle import EagleBackbone, EagleConfig
 from embodied_jax.models.gr00t_action_head import ActionHeadConfig, Gr00tActionHead
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.nn.attention import mask_positions
 from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.lora import LoRAConfig
+from embodied_jax.nn.traced import module_fori_loop
+from embodied_jax.policy import PolicyConfig
 
 PACKED_KEYS = ("segment_ids", "positions", "images", "image_segment_ids", "sample_mask")
 PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
 
+# Eagle 2.5's towers as GR00T-N1.5 ships them (reference README: Eagle25VLConfig)
+EAGLE_SIGLIP = SiglipConfig(
+    width=1152, depth=27, num_heads=16, mlp_dim=4304, patch_size=14, image_size=224, layer_norm_eps=1e-6
+)  # so400m/14 at 224: 256 tokens per image
+QWEN3_1_7B = Qwen3Config(
+    width=2048,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=6144,
+    vocab_size=151680,
+    rope_theta=1_000_000.0,
+    eps=1e-6,
+)
+# upstream action_head_cfg (diffusion_model_cfg, vl_self_attention_cfg)
+GR00T_N15_HEAD = ActionHeadConfig(
+    hidden_size=1024,
+    input_embedding_dim=1536,
+    max_num_embodiments=32,
+    num_future_tokens=32,
+    max_seq_len=1024,
+    dit=DiTConfig(
+        num_layers=16, num_heads=32, head_dim=48, output_dim=1024, interleave_self_attention=True, dropout=0.2
+    ),
+    vl_self_attention=VLSelfAttentionConfig(num_layers=4, num_heads=32, head_dim=64, dropout=0.2),
+)
 
+
+@register
 @dataclasses.dataclass(frozen=True)
-class Gr00tConfig:
-    # Eagle 2.5 vision tower (SigLIP so400m/14 at 224: 256 tokens per image)
-    image_size: int = 224
-    patch_size: int = 14
-    vision_width: int = 1152
-    vision_layers: int = 27
-    vision_heads: int = 16
-    vision_mlp_dim: int = 4304
-    vision_eps: float = 1e-6
-    cameras: tuple[str, ...] = ("ego_view",)
-    # Qwen3-1.7B, truncated to its first ``select_layer`` layers
-    llm_width: int = 2048
-    llm_layers: int = 28
-    select_layer: int = 12
-    llm_heads: int = 16
-    llm_kv_heads: int = 8
-    llm_head_dim: int = 128
-    llm_mlp_dim: int = 6144
-    vocab_size: int = 151680
-    rope_theta: float = 1_000_000.0
-    rms_eps: float = 1e-6
-    image_token_id: int = 151669
-    max_token_len: int = 320
-    # action head
-    action_dim: int = 32
+class Gr00tConfig(PolicyConfig):
+    """GR00T-N1.5 sizes and training options; defaults are the published GR00T-N1.5-3B.
+
+    Backbone (upstream ``backbone_cfg``): ``vision`` (SigLIP), ``mlp1`` and ``llm`` (Qwen3-1.7B,
+    its published depth) built with its first ``select_layer`` layers. Action head (upstream
+    ``action_head_cfg``): ``action_head`` with its ``dit`` and ``vl_self_attention``; its backbone
+    width is ``llm.width`` and ``action_dim`` / ``max_state_dim`` are the top-level fields.
+    Precision and performance fields apply to every module.
+    """
+
+    vision: SiglipConfig = EAGLE_SIGLIP  # Eagle 2.5's SigLIP tower
+    llm: Qwen3Config = QWEN3_1_7B  # Qwen3 at its published depth; built with its first select_layer layers
+    select_layer: int = 12  # LLM layers kept (upstream backbone_cfg.select_layer)
+    image_token_id: int = 151669  # <IMG_CONTEXT>
+    camera_names: tuple[str, ...] = ("ego_view",)  # image slots, in prompt order
+    max_token_len: int = 320  # padded prompt length (image blocks + text)
+    action_head: ActionHeadConfig = GR00T_N15_HEAD  # upstream action_head_cfg: sizes, DiT, VL adapter
     action_horizon: int = 16
+    action_dim: int = 32
     max_state_dim: int = 64
-    hidden_size: int = 1024
-    input_embedding_dim: int = 1536
-    max_num_embodiments: int = 32
-    num_future_tokens: int = 32
-    max_seq_len: int = 1024
-    dit_layers: int = 16
-    dit_heads: int = 32
-    dit_head_dim: int = 48
-    dit_output_dim: int = 1024
-    dit_dropout: float = 0.2
-    interleave_self_attention: bool = True
-    vl_layers: int = 4
-    vl_heads: int = 32
-    vl_head_dim: int = 64
-    vl_dropout: float = 0.2
-    # flow matching
     num_inference_steps: int = 4
     num_timestep_buckets: int = 1000
-    noise_beta_alpha: float = 1.5
-    noise_beta_beta: float = 1.0
-    noise_s: float = 0.999
-    mask_vl_padding: bool = True
-    # precision and performance
+    time_beta: tuple[float, float] = (1.5, 1.0)  # flow-matching time t = (time_scale - Beta(*time_beta)) / time_scale
+    time_scale: float = 0.999
+    mask_vl_padding: bool = True  # False: upstream's adapter and DiT attend padded VL tokens too
+    dtype: str = "bfloat16"  # compute dtype (every module)
     param_dtype: str = "float32"
-    compute_dtype: str = "bfloat16"
     fp8: str = "none"
     attention_impl: str = "auto"
     scan_layers: bool = True
     remat_policy: str = "none"
-    # freezing (upstream finetune defaults) and LoRA on the DiT
-    tune_visual: bool = False
+    tune_visual: bool = False  # freezing: upstream's finetune defaults
     tune_llm: bool = False
     tune_projector: bool = True
     tune_diffusion_model: bool = True
-    lora_rank: int = 0
+    lora_rank: int = 0  # LoRA on the DiT (0: none)
     lora_alpha: float = 16.0
-    # synthetic batches: range of text tokens (template + task) around the image block(s)
-    synthetic_text_tokens: tuple[int, int] = (24, 38)
-    # input builder (real datasets): local Qwen3 tokenizer.json and the embodiment slot of the
-    # data (upstream's "new_embodiment" = 31 for finetuning on a new robot)
-    tokenizer_path: str | None = None
-    embodiment_id: int = 31
+    synthetic_text_tokens: tuple[int, int] = (24, 38)  # synthetic batches: text tokens around the image blocks
+    tokenizer_path: str | None = None  # input builder (real datasets): a local Qwen3 tokenizer.json
+    embodiment_id: int = 31  # the data's embodiment slot (upstream "new_embodiment" = 31 for a new robot)
 
     def __post_init__(self):
-        if not 1 <= self.select_layer <= self.llm_layers:
-            raise ValueError(f"Gr00tConfig.select_layer={self.select_layer} must be in [1, llm_layers="
-                             f"{self.llm_layers}]")
-        if self.image_token_id >= self.vocab_size:
-            raise ValueError(f"Gr00tConfig.image_token_id={self.image_token_id} >= vocab_size={self.vocab_size}")
+        head, llm = self.action_head, self.llm
+        if not 1 <= self.select_layer <= llm.num_layers:
+            raise ValueError(
+                f"Gr00tConfig.select_layer={self.select_layer} must be in [1, llm.num_layers={llm.num_layers}]"
+            )
+        if self.image_token_id >= llm.vocab_size:
+            raise ValueError(f"Gr00tConfig.image_token_id={self.image_token_id} >= llm.vocab_size={llm.vocab_size}")
+        if head.dit.inner_dim != head.input_embedding_dim:
+            raise ValueError(
+                f"Gr00tConfig.action_head.dit.num_heads * head_dim = {head.dit.inner_dim} must equal "
+                f"action_head.input_embedding_dim={head.input_embedding_dim}"
+            )
+        if head.dit.output_dim != head.hidden_size:
+            raise ValueError(
+                f"Gr00tConfig.action_head.dit.output_dim={head.dit.output_dim} must equal "
+                f"action_head.hidden_size={head.hidden_size}"
+            )
+        if head.dit.interleave_self_attention and head.dit.num_layers % 2:
+            raise ValueError(
+                f"Gr00tConfig.action_head.dit.num_layers={head.dit.num_layers} must be even with "
+                "interleave_self_attention"
+            )
+        vl = head.vl_self_attention
+        if head.use_vlln and vl.num_heads * vl.head_dim != llm.width:
+            raise ValueError(
+                f"Gr00tConfig.action_head.vl_self_attention.num_heads * head_dim = "
+                f"{vl.num_heads * vl.head_dim} must equal llm.width={llm.width}"
+            )
+        if head.add_pos_embed and self.action_horizon > head.max_seq_len:
+            raise ValueError(
+                f"Gr00tConfig.action_horizon={self.action_horizon} > action_head.max_seq_len="
+                f"{head.max_seq_len} (the action position table)"
+            )
         lo, hi = self.synthetic_text_tokens
         if not 2 <= lo <= hi:
             raise ValueError(f"Gr00tConfig.synthetic_text_tokens={self.synthetic_text_tokens} must be 2 <= lo <= hi")
         if self.max_token_len < self.image_block_tokens + hi:
-            raise ValueError(f"Gr00tConfig.max_token_len={self.max_token_len} is shorter than the image blocks "
-                             f"({self.image_block_tokens}) plus {hi} text tokens")
-
-    # ----- derived sub-configs
-    @property
-    def image_tokens(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+            raise ValueError(
+                f"Gr00tConfig.max_token_len={self.max_token_len} is shorter than the image blocks "
+                f"({self.image_block_tokens}) plus {hi} text tokens"
+            )
 
     @property
     def image_block_tokens(self) -> int:
         """``<img>`` + image tokens + ``</img>`` for every camera."""
-        return len(self.cameras) * (self.image_tokens + 2)
+        return len(self.camera_names) * (self.vision.num_patches + 2)
 
+    # ----- module configs
     def eagle_config(self) -> EagleConfig:
-        vision = SiglipConfig(
-            image_size=self.image_size, patch_size=self.patch_size, width=self.vision_width,
-            depth=self.vision_layers, num_heads=self.vision_heads, mlp_dim=self.vision_mlp_dim,
-            layer_norm_eps=self.vision_eps,
-        )
-        llm = Qwen3Config(
-            width=self.llm_width, num_layers=self.select_layer, num_heads=self.llm_heads,
-            num_kv_heads=self.llm_kv_heads, head_dim=self.llm_head_dim, mlp_dim=self.llm_mlp_dim,
-            vocab_size=self.vocab_size, rope_theta=self.rope_theta, eps=self.rms_eps,
-        )
-        return EagleConfig(vision=vision, llm=llm, image_token_id=self.image_token_id)
+        """The backbone as built: ``llm`` truncated to its first ``select_layer`` layers."""
+        llm = dataclasses.replace(self.llm, num_layers=self.select_layer)
+        return EagleConfig(vision=self.vision, llm=llm, image_token_id=self.image_token_id)
 
-    def action_head_config(self) -> ActionHeadConfig:
-        return ActionHeadConfig(
-            action_dim=self.action_dim, action_horizon=self.action_horizon, max_state_dim=self.max_state_dim,
-            hidden_size=self.hidden_size, input_embedding_dim=self.input_embedding_dim,
-            backbone_embedding_dim=self.llm_width, max_num_embodiments=self.max_num_embodiments,
-            num_future_tokens=self.num_future_tokens, max_seq_len=self.max_seq_len,
-            num_timestep_buckets=self.num_timestep_buckets,
-            dit=DiTConfig(
-                num_layers=self.dit_layers, num_heads=self.dit_heads, head_dim=self.dit_head_dim,
-                output_dim=self.dit_output_dim, cross_attention_dim=self.llm_width,
-                interleave_self_attention=self.interleave_self_attention, dropout=self.dit_dropout,
-            ),
-            vl_self_attention=VLSelfAttentionConfig(
-                num_layers=self.vl_layers, num_heads=self.vl_heads, head_dim=self.vl_head_dim,
-                dropout=self.vl_dropout,
-            ),
-        )
-
-    def make(self, rngs: nnx.Rngs) -> "Gr00tPolicy":
+    def make(self, rngs: nnx.Rngs) -> Gr00tPolicy:
         return Gr00tPolicy(self, rngs=rngs)
 
     def freeze_regexes(self) -> tuple[str, ...]:
@@ -188,11 +194,13 @@ class Gr00tConfig:
 
         if self.tokenizer_path is None:
             raise ValueError("Gr00tConfig.tokenizer_path: set it to a local Qwen3 tokenizer.json")
-        if not 0 <= self.embodiment_id < self.max_num_embodiments:
-            raise ValueError(f"Gr00tConfig.embodiment_id={self.embodiment_id} must be in [0, max_num_embodiments="
-                             f"{self.max_num_embodiments})")
-        return Gr00tInputBuilder.for_config(self, self.tokenizer_path, embodiment_id=self.embodiment_id,
-                                            packed=packed)
+        slots = self.action_head.max_num_embodiments
+        if not 0 <= self.embodiment_id < slots:
+            raise ValueError(
+                f"Gr00tConfig.embodiment_id={self.embodiment_id} must be in [0, "
+                f"action_head.max_num_embodiments={slots})"
+            )
+        return Gr00tInputBuilder.for_config(self, self.tokenizer_path, embodiment_id=self.embodiment_id, packed=packed)
 
     def training_flops(self, batch) -> dict[str, float]:
         """Analytic training FLOPs of one step on ``batch`` (NumPy; unpacked or packed rows):
@@ -202,9 +210,11 @@ class Gr00tConfig:
         one run forward only (``tune_*``)."""
         from embodied_jax.nn import flops
 
+        llm, head = self.llm, self.action_head
+        dit, vl = head.dit, head.vl_self_attention
         tokens = np.asarray(batch["tokens"])
         rows, length = tokens.shape
-        patches = self.image_tokens
+        patches = self.vision.num_patches
         if "segment_ids" in batch:
             seg = np.asarray(batch["segment_ids"])
             images = rows * int(np.asarray(batch["images"]).shape[1])
@@ -212,42 +222,66 @@ class Gr00tConfig:
             pairs = sum(flops.attention_pairs(np.bincount(r[r > 0])[1:].tolist()) for r in seg)
             window = min(length, self.max_token_len)
         else:
-            images, slots = rows * len(self.cameras), rows
+            images, slots = rows * len(self.camera_names), rows
             pairs = rows * flops.attention_pairs((), dense_length=length)
             window = length
         vl_tokens = rows * length
-        dit_tokens = 1 + self.num_future_tokens + self.action_horizon
-        inner = self.dit_heads * self.dit_head_dim
-        vision = self.eagle_config().vision
+        dit_tokens = 1 + head.num_future_tokens + self.action_horizon
+        inner = dit.inner_dim
         weights, attention = flops.Tally(), flops.Tally()
-        weights.add(flops.siglip(vision, images) + 2 * images * patches * self.vision_width * self.llm_width,
-                    trains=self.tune_visual)
+        weights.add(
+            flops.siglip(self.vision, images) + 2 * images * patches * self.vision.width * llm.width,
+            trains=self.tune_visual,
+        )
         attention.add(0.0, trains=self.tune_visual)
-        llm = dict(width=self.llm_width, heads=self.llm_heads, kv_heads=self.llm_kv_heads, head_dim=self.llm_head_dim)
-        weights.add(self.select_layer * flops.transformer_layer(vl_tokens, 0, mlp_dim=self.llm_mlp_dim, gated=True,
-                                                                **llm), trains=self.tune_llm)
-        attention.add(self.select_layer * 4 * pairs * self.llm_heads * self.llm_head_dim, trains=self.tune_llm)
-        vl = dict(width=self.llm_width, heads=self.vl_heads, kv_heads=self.vl_heads, head_dim=self.vl_head_dim)
-        weights.add(self.vl_layers * flops.transformer_layer(vl_tokens, 0, mlp_dim=4 * self.llm_width, gated=False,
-                                                             **vl), trains=True)
-        attention.add(self.vl_layers * 4 * pairs * self.vl_heads * self.vl_head_dim, trains=True)
-        dit = dict(width=inner, heads=self.dit_heads, kv_heads=self.dit_heads, head_dim=self.dit_head_dim,
-                   mlp_dim=4 * inner, gated=False)
-        cross = self.dit_layers // 2 if self.interleave_self_attention else self.dit_layers
+        llm_dims = dict(width=llm.width, heads=llm.num_heads, kv_heads=llm.num_kv_heads, head_dim=llm.head_dim)
+        weights.add(
+            self.select_layer * flops.transformer_layer(vl_tokens, 0, mlp_dim=llm.mlp_dim, gated=True, **llm_dims),
+            trains=self.tune_llm,
+        )
+        attention.add(self.select_layer * 4 * pairs * llm.num_heads * llm.head_dim, trains=self.tune_llm)
+        vl_dims = dict(width=llm.width, heads=vl.num_heads, kv_heads=vl.num_heads, head_dim=vl.head_dim)
+        weights.add(
+            vl.num_layers * flops.transformer_layer(vl_tokens, 0, mlp_dim=4 * llm.width, gated=False, **vl_dims),
+            trains=True,
+        )
+        attention.add(vl.num_layers * 4 * pairs * vl.num_heads * vl.head_dim, trains=True)
+        dit_dims = dict(
+            width=inner,
+            heads=dit.num_heads,
+            kv_heads=dit.num_heads,
+            head_dim=dit.head_dim,
+            mlp_dim=4 * inner,
+            gated=False,
+        )
+        cross = dit.num_layers // 2 if dit.interleave_self_attention else dit.num_layers
         tokens_dit = slots * dit_tokens
         # cross-attention keys/values are projected once per VL token of a row (upstream: per sample)
-        dit_flops = (cross * flops.transformer_layer(tokens_dit, 0, context_tokens=vl_tokens,
-                                                     context_width=self.llm_width, **dit)
-                     + (self.dit_layers - cross) * flops.transformer_layer(tokens_dit, 0, **dit))
-        head = 2 * slots * (self.max_state_dim * self.hidden_size + self.hidden_size * self.input_embedding_dim
-                            + self.action_horizon * (self.action_dim * self.input_embedding_dim
-                                                     + 3 * self.input_embedding_dim ** 2
-                                                     + self.hidden_size * self.hidden_size
-                                                     + self.hidden_size * self.action_dim))
-        head += 2 * slots * inner * 2 * inner * (self.dit_layers + 1)  # AdaLayerNorms and proj_out_1, per sample
-        weights.add(dit_flops + head, trains=self.tune_diffusion_model or self.tune_projector)
-        attention.add(4 * slots * dit_tokens * (cross * window + (self.dit_layers - cross) * dit_tokens)
-                      * self.dit_heads * self.dit_head_dim, trains=self.tune_diffusion_model)
+        dit_flops = cross * flops.transformer_layer(
+            tokens_dit, 0, context_tokens=vl_tokens, context_width=llm.width, **dit_dims
+        ) + (dit.num_layers - cross) * flops.transformer_layer(tokens_dit, 0, **dit_dims)
+        hidden, emb = head.hidden_size, head.input_embedding_dim
+        head_flops = (
+            2
+            * slots
+            * (
+                self.max_state_dim * hidden
+                + hidden * emb
+                + self.action_horizon
+                * (self.action_dim * emb + 3 * emb**2 + hidden * hidden + hidden * self.action_dim)
+            )
+        )
+        head_flops += 2 * slots * inner * 2 * inner * (dit.num_layers + 1)  # AdaLayerNorms and proj_out_1, per sample
+        weights.add(dit_flops + head_flops, trains=self.tune_diffusion_model or self.tune_projector)
+        attention.add(
+            4
+            * slots
+            * dit_tokens
+            * (cross * window + (dit.num_layers - cross) * dit_tokens)
+            * dit.num_heads
+            * dit.head_dim,
+            trains=self.tune_diffusion_model,
+        )
         return {"weights": weights.total, "attention": attention.total}
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
@@ -255,48 +289,52 @@ class Gr00tConfig:
         b, length = batch_size, self.max_token_len
         tokens = np.zeros((b, length), np.int32)
         mask = np.zeros((b, length), bool)
-        text_vocab = min(self.vocab_size, self.image_token_id)
+        text_vocab = min(self.llm.vocab_size, self.image_token_id)
         lo, hi = self.synthetic_text_tokens
         for i in range(b):  # template/task text split around the image block(s), as in the Eagle prompt
             n_text = int(rng.integers(lo, hi + 1))
             n_before = min(n_text // 2, 16)
             blocks = []
-            for _ in self.cameras:
-                blocks += [rng.integers(0, text_vocab, 1), np.full(self.image_tokens, self.image_token_id),
-                           rng.integers(0, text_vocab, 1)]
-            row = np.concatenate([rng.integers(0, text_vocab, n_before), *blocks,
-                                  rng.integers(0, text_vocab, n_text - n_before)])
+            for _ in self.camera_names:
+                blocks += [
+                    rng.integers(0, text_vocab, 1),
+                    np.full(self.vision.num_patches, self.image_token_id),
+                    rng.integers(0, text_vocab, 1),
+                ]
+            row = np.concatenate(
+                [rng.integers(0, text_vocab, n_before), *blocks, rng.integers(0, text_vocab, n_text - n_before)]
+            )
             tokens[i, : len(row)] = row
             mask[i, : len(row)] = True
-        shape = (b, self.image_size, self.image_size, 3)
+        shape = (b, self.vision.image_size, self.vision.image_size, 3)
         return {
-            "images": {c: rng.uniform(-1, 1, shape).astype(np.float32) for c in self.cameras},
-            "image_masks": {c: np.ones((b,), bool) for c in self.cameras},
+            "images": {c: rng.uniform(-1, 1, shape).astype(np.float32) for c in self.camera_names},
+            "image_masks": {c: np.ones((b,), bool) for c in self.camera_names},
             "tokens": tokens,
             "token_mask": mask,
             "state": rng.normal(size=(b, self.max_state_dim)).astype(np.float32),
-            "embodiment_id": rng.integers(0, self.max_num_embodiments, b).astype(np.int32),
+            "embodiment_id": rng.integers(0, self.action_head.max_num_embodiments, b).astype(np.int32),
             "actions": rng.normal(size=(b, self.action_horizon, self.action_dim)).astype(np.float32),
             "action_mask": np.ones((b, self.action_horizon, self.action_dim), bool),
         }
 
 
-def freeze_regexes(cfg: Gr00tConfig) -> tuple[str, ...]:
+def freeze_regexes(config: Gr00tConfig) -> tuple[str, ...]:
     """Trainer freeze regexes (on "a/b/c" parameter paths) for the upstream tune_* switches.
 
     The VL LayerNorm, the VL adapter and the future tokens always train. With LoRA the DiT's
     base weights are frozen and only its ``lora_a``/``lora_b`` train.
     """
     patterns = []
-    if not cfg.tune_visual:
+    if not config.tune_visual:
         patterns.append(r"^backbone/eagle_model/(vision_model|mlp1)/")
-    if not cfg.tune_llm:
+    if not config.tune_llm:
         patterns.append(r"^backbone/eagle_model/language_model/")
-    if not cfg.tune_projector:
+    if not config.tune_projector:
         patterns.append(r"^action_head/(state_encoder|action_encoder|action_decoder|position_embedding)/")
-    if not cfg.tune_diffusion_model:
+    if not config.tune_diffusion_model:
         patterns.append(r"^action_head/model/")
-    elif cfg.lora_rank:
+    elif config.lora_rank:
         patterns.append(r"^action_head/model/(?!(.*/)?lora_[ab]$)")
     return tuple(patterns)
 
@@ -306,14 +344,28 @@ def _dtype(name: str):
 
 
 class Gr00tPolicy(nnx.Module):
-    def __init__(self, cfg: Gr00tConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        common = dict(dtype=_dtype(cfg.compute_dtype), param_dtype=_dtype(cfg.param_dtype), fp8=cfg.fp8,
-                      attention_impl=cfg.attention_impl, scan_layers=cfg.scan_layers,
-                      remat_policy=cfg.remat_policy, rngs=rngs)
-        self.backbone = EagleBackbone(cfg.eagle_config(), **common)
-        lora = LoRAConfig(cfg.lora_rank, cfg.lora_alpha) if cfg.lora_rank else None
-        self.action_head = Gr00tActionHead(cfg.action_head_config(), lora=lora, **common)
+    def __init__(self, config: Gr00tConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        # one source for what every module shares: precision, attention kernel, layer stacking
+        common = dict(
+            dtype=_dtype(config.dtype),
+            param_dtype=_dtype(config.param_dtype),
+            fp8=config.fp8,
+            attention_impl=config.attention_impl,
+            scan_layers=config.scan_layers,
+            remat_policy=config.remat_policy,
+            rngs=rngs,
+        )
+        self.backbone = EagleBackbone(config.eagle_config(), **common)
+        lora = LoRAConfig(config.lora_rank, config.lora_alpha) if config.lora_rank else None
+        self.action_head = Gr00tActionHead(
+            config.action_head,
+            action_dim=config.action_dim,
+            max_state_dim=config.max_state_dim,
+            backbone_width=config.llm.width,
+            lora=lora,
+            **common,
+        )
 
     # ----- VL side
     def _vl_layout(self, obs):
@@ -326,16 +378,32 @@ class Gr00tPolicy(nnx.Module):
         seg = mask.astype(jnp.int32)
         ones = jnp.ones((b, length), jnp.int32)
         base = dict(tokens=tokens, context_gather=None, bounds=None)
-        if self.cfg.mask_vl_padding:
-            positions = jnp.maximum(jnp.cumsum(seg, axis=1) - 1, 0)
-            return dict(base, positions=positions, llm_q=seg, llm_kv=seg, causal=True, adapter=seg,
-                        dit_q=jnp.ones((b,), jnp.int32), dit_kv=seg)
+        if self.config.mask_vl_padding:
+            positions = mask_positions(seg)
+            return dict(
+                base,
+                positions=positions,
+                llm_q=seg,
+                llm_kv=seg,
+                causal=True,
+                adapter=seg,
+                dit_q=jnp.ones((b,), jnp.int32),
+                dit_kv=seg,
+            )
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))  # HF: cache positions
-        return dict(base, positions=positions, llm_q=ones, llm_kv=seg, causal=False, adapter=ones,
-                    dit_q=jnp.ones((b,), jnp.int32), dit_kv=ones)
+        return dict(
+            base,
+            positions=positions,
+            llm_q=ones,
+            llm_kv=seg,
+            causal=False,
+            adapter=ones,
+            dit_q=jnp.ones((b,), jnp.int32),
+            dit_kv=ones,
+        )
 
     def _packed_layout(self, obs, tokens):
-        if not self.cfg.mask_vl_padding:
+        if not self.config.mask_vl_padding:
             raise ValueError("packed GR00T batches (segment_ids) need Gr00tConfig.mask_vl_padding=True")
         missing = [k for k in PACKED_KEYS if k not in obs]
         if missing:
@@ -348,30 +416,48 @@ class Gr00tPolicy(nnx.Module):
         # Sample slot (row, m) cross-attends the window of its segment: it starts where segment m does.
         member = seg[:, None, :] == ids[None, :, None]  # [R, M, L]
         start = jnp.argmax(member, axis=-1).reshape(-1)
-        window = min(length, self.cfg.max_token_len)
+        window = min(length, self.config.max_token_len)
         index = jnp.minimum(start[:, None], length - window) + jnp.arange(window, dtype=jnp.int32)
         rows = jnp.repeat(jnp.arange(r, dtype=jnp.int32), m)
         dit_q = jnp.where(present, ids[None], 0).reshape(-1)
-        bounds = SegmentBounds(max_segments=m, max_q_len=self.cfg.max_token_len, max_kv_len=self.cfg.max_token_len)
-        return dict(tokens=tokens, positions=jnp.asarray(obs["positions"], jnp.int32), llm_q=seg, llm_kv=seg,
-                    causal=True, adapter=seg, dit_q=dit_q, dit_kv=seg[rows[:, None], index],
-                    context_gather=(rows, index), bounds=bounds)
+        longest = self.config.max_token_len
+        bounds = SegmentBounds(max_segments=m, max_q_len=longest, max_kv_len=longest)
+        return dict(
+            tokens=tokens,
+            positions=jnp.asarray(obs["positions"], jnp.int32),
+            llm_q=seg,
+            llm_kv=seg,
+            causal=True,
+            adapter=seg,
+            dit_q=dit_q,
+            dit_kv=seg[rows[:, None], index],
+            context_gather=(rows, index),
+            bounds=bounds,
+        )
 
     def _images(self, obs):
         """[R, k, H, W, 3]: a packed row's image slots, or an unpacked sample's cameras."""
         images = obs["images"]
         if not isinstance(images, dict):
             return jnp.asarray(images)
-        missing = [c for c in self.cfg.cameras if c not in images]
+        names = self.config.camera_names
+        missing = [c for c in names if c not in images]
         if missing:
-            raise KeyError(f"observation['images'] lacks cameras {missing}; config cameras {self.cfg.cameras}")
-        return jnp.stack([jnp.asarray(images[c]) for c in self.cfg.cameras], axis=1)
+            raise KeyError(f"observation['images'] lacks cameras {missing}; Gr00tConfig.camera_names {names}")
+        return jnp.stack([jnp.asarray(images[c]) for c in names], axis=1)
 
     def vl_features(self, obs, key=None):
         """Adapter output [R, S, D] and the per-sample attention layout for the DiT."""
         layout = self._vl_layout(obs)
-        features = self.backbone(self._images(obs), layout["tokens"], layout["positions"], layout["llm_q"],
-                                 layout["llm_kv"], causal_blocks=layout["causal"], bounds=layout["bounds"])
+        features = self.backbone(
+            self._images(obs),
+            layout["tokens"],
+            layout["positions"],
+            layout["llm_q"],
+            layout["llm_kv"],
+            causal_blocks=layout["causal"],
+            bounds=layout["bounds"],
+        )
         features = self.action_head.process_backbone_output(features, layout["adapter"], key, layout["bounds"])
         return features, layout
 
@@ -388,8 +474,9 @@ class Gr00tPolicy(nnx.Module):
 
     # ----- flow matching
     def sample_time(self, key, batch_size: int):
-        beta = jax.random.beta(key, self.cfg.noise_beta_alpha, self.cfg.noise_beta_beta, (batch_size,))
-        return (self.cfg.noise_s - beta) / self.cfg.noise_s
+        alpha, beta = self.config.time_beta
+        s = self.config.time_scale
+        return (s - jax.random.beta(key, alpha, beta, (batch_size,))) / s
 
     def per_sample_losses(self, batch, rng, *, noise=None, time=None, dropout: bool = True):
         """(per-sample masked squared-error sums [N], per-sample mask counts [N]); N = R·M slots for
@@ -401,7 +488,8 @@ class Gr00tPolicy(nnx.Module):
         actions = samples["actions"].astype(jnp.float32)
         b = actions.shape[0]
         k_noise, k_time, k_adapter, k_dit = jax.random.split(rng, 4)
-        train_dropout = dropout and (self.cfg.dit_dropout > 0 or self.cfg.vl_dropout > 0)
+        head_config = self.config.action_head
+        train_dropout = dropout and (head_config.dit.dropout > 0 or head_config.vl_self_attention.dropout > 0)
         noise = jax.random.normal(k_noise, actions.shape) if noise is None else jnp.asarray(noise, jnp.float32)
         t = self.sample_time(k_time, b) if time is None else jnp.asarray(time, jnp.float32).reshape(b)
         vl, layout = self.vl_features(batch, k_adapter if train_dropout else None)
@@ -409,10 +497,18 @@ class Gr00tPolicy(nnx.Module):
         head = self.action_head
         state_features = head.encode_state(samples["state"].astype(jnp.float32), slots)
         x_t = (1.0 - t[:, None, None]) * noise + t[:, None, None] * actions
-        buckets = jnp.floor(t * self.cfg.num_timestep_buckets).astype(jnp.int32)
-        velocity = head.velocity(state_features, x_t, buckets, slots, vl, q_segment_ids=layout["dit_q"],
-                                 kv_segment_ids=layout["dit_kv"], context_gather=layout["context_gather"],
-                                 key=k_dit if train_dropout and self.cfg.tune_diffusion_model else None)
+        buckets = jnp.floor(t * self.config.num_timestep_buckets).astype(jnp.int32)
+        velocity = head.velocity(
+            state_features,
+            x_t,
+            buckets,
+            slots,
+            vl,
+            q_segment_ids=layout["dit_q"],
+            kv_segment_ids=layout["dit_kv"],
+            context_gather=layout["context_gather"],
+            key=k_dit if train_dropout and self.config.tune_diffusion_model else None,
+        )
         mask = samples.get("action_mask", jnp.ones_like(actions)).astype(jnp.float32) * present[:, None, None]
         sq = jnp.square(velocity - (actions - noise)) * mask
         return sq.sum(axis=(1, 2)), mask.sum(axis=(1, 2))
@@ -423,40 +519,54 @@ class Gr00tPolicy(nnx.Module):
         slots = jnp.asarray(observation["embodiment_id"], jnp.int32)
         head = self.action_head
         state_features = head.encode_state(jnp.asarray(observation["state"], jnp.float32), slots)
-        buckets = jnp.floor(jnp.asarray(time, jnp.float32) * self.cfg.num_timestep_buckets).astype(jnp.int32)
-        return head.velocity(state_features, jnp.asarray(noisy_actions, jnp.float32), buckets, slots, vl,
-                             q_segment_ids=layout["dit_q"], kv_segment_ids=layout["dit_kv"],
-                             context_gather=layout["context_gather"])
+        buckets = jnp.floor(jnp.asarray(time, jnp.float32) * self.config.num_timestep_buckets).astype(jnp.int32)
+        return head.velocity(
+            state_features,
+            jnp.asarray(noisy_actions, jnp.float32),
+            buckets,
+            slots,
+            vl,
+            q_segment_ids=layout["dit_q"],
+            kv_segment_ids=layout["dit_kv"],
+            context_gather=layout["context_gather"],
+        )
 
     def loss(self, batch, rng, *, noise=None, time=None):
         errors, counts = self.per_sample_losses(batch, rng, noise=noise, time=time)
         loss = errors.sum() / jnp.maximum(counts.sum(), 1.0)
         seg = batch["segment_ids"] if "segment_ids" in batch else batch["token_mask"]
         tokens = jnp.sum(jnp.asarray(seg) > 0)
-        examples = (jnp.sum(jnp.asarray(batch["sample_mask"]), dtype=jnp.int32) if "sample_mask" in batch
-                    else jnp.int32(errors.shape[0]))
+        examples = (
+            jnp.sum(jnp.asarray(batch["sample_mask"]), dtype=jnp.int32)
+            if "sample_mask" in batch
+            else jnp.int32(errors.shape[0])
+        )
         return loss, {"loss": loss, "tokens": tokens, "examples": examples}
 
     def sample_actions(self, observation, rng, *, num_steps=None, noise=None):
-        cfg = self.cfg
-        k = int(num_steps or cfg.num_inference_steps)
+        config = self.config
+        k = int(num_steps or config.num_inference_steps)
         b = jnp.asarray(observation["embodiment_id"]).shape[0]
-        shape = (b, cfg.action_horizon, cfg.action_dim)
+        shape = (b, config.action_horizon, config.action_dim)
         x = jax.random.normal(rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
         vl, layout = self.vl_features(observation)
         slots = jnp.asarray(observation["embodiment_id"], jnp.int32)
         state_features = self.action_head.encode_state(jnp.asarray(observation["state"], jnp.float32), slots)
         # upstream: int(k / K * num_timestep_buckets) in Python floats
-        buckets = jnp.asarray(np.array([int(i / k * cfg.num_timestep_buckets) for i in range(k)], np.int32))
+        buckets = jnp.asarray(np.array([int(i / k * config.num_timestep_buckets) for i in range(k)], np.int32))
         dt = jnp.float32(1.0 / k)
-        graphdef, state = nnx.split(self.action_head)
 
-        def step(i, carry):  # the head's state rides in the carry so NNX sees it at the loop's trace level
-            x, head_state = carry
-            head = nnx.merge(graphdef, head_state)
-            v = head.velocity(state_features, x, jnp.full((b,), buckets[i]), slots, vl,
-                              q_segment_ids=layout["dit_q"], kv_segment_ids=layout["dit_kv"],
-                              context_gather=layout["context_gather"])
-            return x + dt * v, head_state
+        def step(i, head, x):  # head: the action head, rebuilt inside the loop (nn/traced.py)
+            v = head.velocity(
+                state_features,
+                x,
+                jnp.full((b,), buckets[i]),
+                slots,
+                vl,
+                q_segment_ids=layout["dit_q"],
+                kv_segment_ids=layout["dit_kv"],
+                context_gather=layout["context_gather"],
+            )
+            return x + dt * v
 
-        return jax.lax.fori_loop(0, k, step, (x, state))[0]
+        return module_fori_loop(self.action_head, k, step, x)

@@ -13,6 +13,7 @@ gradients only reach used slices).
 ``velocity(...)`` is one DiT evaluation: tokens = [state (1), future tokens, noisy actions
 (horizon)], output = the decoder applied to the last ``horizon`` tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from embodied_jax.config_registry import register
 from embodied_jax.models.dit import (
-    BlockSpec, DiT, DiTConfig, SelfAttentionTransformer, VLSelfAttentionConfig,
+    BlockSpec,
+    DiT,
+    DiTConfig,
+    SelfAttentionTransformer,
+    VLSelfAttentionConfig,
 )
 from embodied_jax.nn.embeddings import LearnedPositions
 from embodied_jax.nn.norms import LayerNorm
@@ -34,8 +40,9 @@ from embodied_jax.parallel.partition import gather_parameter, shard_tokens
 class CategorySpecificLinear(nnx.Module):
     """Per-embodiment linear: ``x @ W[id] + b[id]``; x [B, T, in]."""
 
-    def __init__(self, num_slots: int, in_dim: int, out_dim: int, *, dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, num_slots: int, in_dim: int, out_dim: int, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs
+    ):
         self.dtype = dtype
         w = 0.02 * jax.random.normal(rngs.params(), (num_slots, in_dim, out_dim), param_dtype)
         self.W = nnx.Param(w, out_sharding=("embodiments", "embed", "mlp"))
@@ -49,8 +56,17 @@ class CategorySpecificLinear(nnx.Module):
 
 
 class CategorySpecificMLP(nnx.Module):
-    def __init__(self, num_slots: int, in_dim: int, hidden: int, out_dim: int, *, dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        num_slots: int,
+        in_dim: int,
+        hidden: int,
+        out_dim: int,
+        *,
+        dtype=None,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layer1 = CategorySpecificLinear(num_slots, in_dim, hidden, **kw)
         self.layer2 = CategorySpecificLinear(num_slots, hidden, out_dim, **kw)
@@ -70,8 +86,9 @@ def bucket_encoding(buckets, dim: int):
 class MultiEmbodimentActionEncoder(nnx.Module):
     """``W3(swish(W2([W1(a), enc(bucket)])))`` with embodiment-specific W1, W2, W3."""
 
-    def __init__(self, num_slots: int, action_dim: int, width: int, *, dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, num_slots: int, action_dim: int, width: int, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.width = width
         self.W1 = CategorySpecificLinear(num_slots, action_dim, width, **kw)
@@ -85,61 +102,83 @@ class MultiEmbodimentActionEncoder(nnx.Module):
         return self.W3(jax.nn.silu(self.W2(jnp.concatenate([a, tau], axis=-1), slot_ids)), slot_ids)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class ActionHeadConfig:
-    action_dim: int = 32
-    action_horizon: int = 16
-    max_state_dim: int = 64
+    """The head's own sizes (upstream ``action_head_cfg``). What it shares with the rest of the
+    policy is passed when building it: ``action_dim``, ``max_state_dim`` and the backbone width
+    (``vlln``, the adapter and the DiT cross-attention; upstream ``backbone_embedding_dim``)."""
+
     hidden_size: int = 1024
     input_embedding_dim: int = 1536
-    backbone_embedding_dim: int = 2048
     max_num_embodiments: int = 32
     num_future_tokens: int = 32
     max_seq_len: int = 1024
     add_pos_embed: bool = True
     use_vlln: bool = True
-    num_timestep_buckets: int = 1000
     dit: DiTConfig = DiTConfig()
     vl_self_attention: VLSelfAttentionConfig = VLSelfAttentionConfig()
 
 
 class Gr00tActionHead(nnx.Module):
-    def __init__(self, cfg: ActionHeadConfig, *, dtype: Any = None, param_dtype: Any = jnp.float32,
-                 fp8: str = "none", attention_impl: str = "auto", scan_layers: bool = True,
-                 remat_policy: str = "none", lora: Any = None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ActionHeadConfig,
+        *,
+        action_dim: int,
+        max_state_dim: int,
+        backbone_width: int,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        fp8: str = "none",
+        attention_impl: str = "auto",
+        scan_layers: bool = True,
+        remat_policy: str = "none",
+        lora: Any = None,
+        rngs: nnx.Rngs,
+    ):
         """``lora`` (an ``nn.lora.LoRAConfig``) adds adapters to every Dense of the DiT blocks."""
-        if cfg.dit.inner_dim != cfg.input_embedding_dim:
-            raise ValueError(f"dit heads*head_dim={cfg.dit.inner_dim} must equal input_embedding_dim="
-                             f"{cfg.input_embedding_dim}")
-        vl = cfg.vl_self_attention
-        if cfg.use_vlln and vl.num_heads * vl.head_dim != cfg.backbone_embedding_dim:
-            raise ValueError(f"vl_self_attention heads*head_dim={vl.num_heads * vl.head_dim} must equal "
-                             f"backbone_embedding_dim={cfg.backbone_embedding_dim}")
-        if cfg.dit.cross_attention_dim != cfg.backbone_embedding_dim:
-            raise ValueError(f"dit.cross_attention_dim={cfg.dit.cross_attention_dim} must equal "
-                             f"backbone_embedding_dim={cfg.backbone_embedding_dim}")
-        self.cfg = cfg
+        if config.dit.inner_dim != config.input_embedding_dim:
+            raise ValueError(
+                f"ActionHeadConfig.dit.num_heads * head_dim = {config.dit.inner_dim} must equal "
+                f"input_embedding_dim={config.input_embedding_dim}"
+            )
+        if config.dit.output_dim != config.hidden_size:
+            raise ValueError(
+                f"ActionHeadConfig.dit.output_dim={config.dit.output_dim} must equal "
+                f"hidden_size={config.hidden_size} (the action decoder's input)"
+            )
+        vl = config.vl_self_attention
+        if config.use_vlln and vl.num_heads * vl.head_dim != backbone_width:
+            raise ValueError(
+                f"ActionHeadConfig.vl_self_attention.num_heads * head_dim = {vl.num_heads * vl.head_dim} "
+                f"must equal the backbone width {backbone_width}"
+            )
+        self.config = config
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         stack_kw = dict(scan_layers=scan_layers, remat_policy=remat_policy, rngs=rngs)
-        dit_spec = BlockSpec(dtype, param_dtype, fp8, attention_impl, cfg.dit.dropout, lora)
-        self.model = DiT(cfg.dit, dit_spec, **stack_kw)
-        slots = cfg.max_num_embodiments
-        self.state_encoder = CategorySpecificMLP(slots, cfg.max_state_dim, cfg.hidden_size,
-                                                 cfg.input_embedding_dim, **kw)
-        self.action_encoder = MultiEmbodimentActionEncoder(slots, cfg.action_dim, cfg.input_embedding_dim, **kw)
-        self.action_decoder = CategorySpecificMLP(slots, cfg.hidden_size, cfg.hidden_size, cfg.action_dim, **kw)
-        self.future_tokens = LearnedPositions(cfg.num_future_tokens, cfg.input_embedding_dim,
-                                              param_dtype=param_dtype, rngs=rngs)
-        if cfg.use_vlln:
-            self.vlln = LayerNorm(cfg.backbone_embedding_dim, eps=1e-5, dtype=dtype, param_dtype=param_dtype)
+        dit_spec = BlockSpec(dtype, param_dtype, fp8, attention_impl, config.dit.dropout, lora)
+        self.model = DiT(config.dit, dit_spec, cross_attention_dim=backbone_width, **stack_kw)
+        slots = config.max_num_embodiments
+        self.state_encoder = CategorySpecificMLP(
+            slots, max_state_dim, config.hidden_size, config.input_embedding_dim, **kw
+        )
+        self.action_encoder = MultiEmbodimentActionEncoder(slots, action_dim, config.input_embedding_dim, **kw)
+        self.action_decoder = CategorySpecificMLP(slots, config.hidden_size, config.hidden_size, action_dim, **kw)
+        self.future_tokens = LearnedPositions(
+            config.num_future_tokens, config.input_embedding_dim, param_dtype=param_dtype, rngs=rngs
+        )
+        if config.use_vlln:
+            self.vlln = LayerNorm(backbone_width, eps=1e-5, dtype=dtype, param_dtype=param_dtype)
             vl_spec = BlockSpec(dtype, param_dtype, fp8, attention_impl, vl.dropout)
             self.vl_self_attention = SelfAttentionTransformer(vl, vl_spec, **stack_kw)
         else:
             self.vlln = self.vl_self_attention = None
-        if cfg.add_pos_embed:
-            self.position_embedding = LearnedPositions(cfg.max_seq_len, cfg.input_embedding_dim,
-                                                       param_dtype=param_dtype, rngs=rngs)
+        if config.add_pos_embed:
+            self.position_embedding = LearnedPositions(
+                config.max_seq_len, config.input_embedding_dim, param_dtype=param_dtype, rngs=rngs
+            )
         else:
             self.position_embedding = None
 
@@ -155,20 +194,41 @@ class Gr00tActionHead(nnx.Module):
         state = state[:, None, :] if state.ndim == 2 else state
         return self.state_encoder(state, slot_ids)
 
-    def velocity(self, state_features, noisy_actions, buckets, slot_ids, vl_features, *, q_segment_ids,
-                 kv_segment_ids, context_gather=None, key=None):
+    def velocity(
+        self,
+        state_features,
+        noisy_actions,
+        buckets,
+        slot_ids,
+        vl_features,
+        *,
+        q_segment_ids,
+        kv_segment_ids,
+        context_gather=None,
+        key=None,
+    ):
         """Predicted velocity [B, horizon, action_dim] for noisy actions at timestep ``buckets`` [B]."""
         b, horizon, _ = noisy_actions.shape
         action_features = self.action_encoder(noisy_actions, buckets, slot_ids)
         if self.position_embedding is not None:
             action_features = action_features + self.position_embedding(jnp.arange(horizon))[None].astype(
-                action_features.dtype)
+                action_features.dtype
+            )
         future = jnp.broadcast_to(self.future_tokens()[None], (b,) + self.future_tokens.embedding.shape)
-        sequence = shard_tokens(jnp.concatenate(
-            [state_features, future.astype(action_features.dtype), action_features.astype(state_features.dtype)],
-            axis=1,
-        ))
+        sequence = shard_tokens(
+            jnp.concatenate(
+                [state_features, future.astype(action_features.dtype), action_features.astype(state_features.dtype)],
+                axis=1,
+            )
+        )
         q_seg = jnp.broadcast_to(q_segment_ids[:, None], sequence.shape[:2])
-        out = self.model(sequence, buckets, vl_features, q_segment_ids=q_seg, kv_segment_ids=kv_segment_ids,
-                         context_gather=context_gather, key=key)
+        out = self.model(
+            sequence,
+            buckets,
+            vl_features,
+            q_segment_ids=q_seg,
+            kv_segment_ids=kv_segment_ids,
+            context_gather=context_gather,
+            key=key,
+        )
         return self.action_decoder(out, slot_ids)[:, -horizon:].astype(jnp.float32)

@@ -18,6 +18,7 @@ configured camera and the prompt right-padded to ``max_token_len`` (``token_mask
 real tokens); ``packed=True`` emits a sample for ``data/packing.py``: the prompt unpadded,
 with image blocks for the cameras the sample has only, and ``images`` [n, H, W, 3].
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from embodied_jax.models.tokenizer import JsonTokenizer
+from embodied_jax.nn.image import to_unit_range
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 IMAGE_CONTEXT = "<IMG_CONTEXT>"
@@ -35,11 +37,11 @@ SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<img>", "</img>", IMAGE_CONTEXT
 
 def eagle_prompt(task: str, num_images: int, image_tokens: int = 256) -> str:
     """The Eagle 2.5 chat prompt GR00T feeds the backbone, image-context tokens expanded."""
-    images = "".join(
-        f"<image {i + 1}><img>{IMAGE_CONTEXT * image_tokens}</img>" for i in range(num_images)
+    images = "".join(f"<image {i + 1}><img>{IMAGE_CONTEXT * image_tokens}</img>" for i in range(num_images))
+    return (
+        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{images}{task}<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
-    return (f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{images}{task}<|im_end|>\n"
-            "<|im_start|>assistant\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Gr00tInputBuilder:
     """Callable mapping one sample {"task", "images": {cam: [H, W, 3]}, "state", "actions"?, "embodiment_id"?}."""
 
     tokenizer_path: str | os.PathLike
-    cameras: tuple[str, ...] = ("ego_view",)
+    camera_names: tuple[str, ...] = ("ego_view",)
     image_tokens: int = 256
     image_token_id: int = 151669
     max_token_len: int = 320
@@ -64,8 +66,10 @@ class Gr00tInputBuilder:
             tok._token_id(token)  # raises naming the file and the token when absent
         got = tok._token_id(IMAGE_CONTEXT)
         if got != self.image_token_id:
-            raise ValueError(f"{self.tokenizer_path}: {IMAGE_CONTEXT} has id {got}, the model expects "
-                             f"image_token_id={self.image_token_id}")
+            raise ValueError(
+                f"{self.tokenizer_path}: {IMAGE_CONTEXT} has id {got}, the model expects "
+                f"image_token_id={self.image_token_id}"
+            )
         object.__setattr__(self, "_tokenizer", tok)
 
     @property
@@ -78,27 +82,38 @@ class Gr00tInputBuilder:
         return self.image_tokens
 
     @classmethod
-    def for_config(cls, cfg, tokenizer_path, **kwargs) -> "Gr00tInputBuilder":
+    def for_config(cls, config, tokenizer_path, **kwargs) -> Gr00tInputBuilder:
         """A builder matching a ``Gr00tConfig``'s cameras, lengths and dimensions."""
-        return cls(tokenizer_path, cameras=cfg.cameras, image_tokens=cfg.image_tokens,
-                   image_token_id=cfg.image_token_id, max_token_len=cfg.max_token_len,
-                   max_state_dim=cfg.max_state_dim, action_dim=cfg.action_dim, image_size=cfg.image_size,
-                   **kwargs)
+        return cls(
+            tokenizer_path,
+            camera_names=config.camera_names,
+            image_tokens=config.vision.num_patches,
+            image_token_id=config.image_token_id,
+            max_token_len=config.max_token_len,
+            max_state_dim=config.max_state_dim,
+            action_dim=config.action_dim,
+            image_size=config.vision.image_size,
+            **kwargs,
+        )
 
     def prompt_ids(self, task: str, num_images: int) -> np.ndarray:
         """The unpadded prompt's token ids (int32) for ``num_images`` image blocks."""
         ids = self._tokenizer.encode(eagle_prompt(task.strip(), num_images, self.image_tokens))
         if len(ids) > self.max_token_len:
-            raise ValueError(f"GR00T prompt has {len(ids)} tokens, more than max_token_len={self.max_token_len} "
-                             f"(task: {task[:60]!r})")
+            raise ValueError(
+                f"GR00T prompt has {len(ids)} tokens, more than max_token_len={self.max_token_len} "
+                f"(task: {task[:60]!r})"
+            )
         found = sum(i == self.image_token_id for i in ids)
         if found != num_images * self.image_tokens:
-            raise ValueError(f"{self.tokenizer_path}: the prompt tokenised to {found} {IMAGE_CONTEXT} tokens, "
-                             f"expected {num_images * self.image_tokens}")
+            raise ValueError(
+                f"{self.tokenizer_path}: the prompt tokenised to {found} {IMAGE_CONTEXT} tokens, "
+                f"expected {num_images * self.image_tokens}"
+            )
         return np.asarray(ids, np.int32)
 
     def tokenize(self, task: str) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.prompt_ids(task, len(self.cameras))
+        ids = self.prompt_ids(task, len(self.camera_names))
         tokens = np.full((self.max_token_len,), self._tokenizer.pad_id, np.int32)
         tokens[: len(ids)] = ids
         mask = np.arange(self.max_token_len) < len(ids)
@@ -108,23 +123,28 @@ class Gr00tInputBuilder:
         for key in ("task", "state", "images"):
             if key not in sample:
                 raise KeyError(f"GR00T input builder: sample has no {key!r} (keys: {sorted(sample)})")
-        unknown = set(sample["images"]) - set(self.cameras)
+        unknown = set(sample["images"]) - set(self.camera_names)
         if unknown:
-            raise KeyError(f"GR00T input builder: cameras {sorted(unknown)} not in cameras {self.cameras}")
-        cameras = [c for c in self.cameras if c in sample["images"]]
-        if not self.packed and len(cameras) < len(self.cameras):
-            raise KeyError(f"GR00T input builder: sample images lack cameras "
-                           f"{[c for c in self.cameras if c not in cameras]} (have {sorted(sample['images'])})")
+            raise KeyError(f"GR00T input builder: cameras {sorted(unknown)} not in cameras {self.camera_names}")
+        cameras = [c for c in self.camera_names if c in sample["images"]]
+        if not self.packed and len(cameras) < len(self.camera_names):
+            raise KeyError(
+                f"GR00T input builder: sample images lack cameras "
+                f"{[c for c in self.camera_names if c not in cameras]} (have {sorted(sample['images'])})"
+            )
         if self.image_size is not None:
             for c in cameras:
                 shape = np.shape(sample["images"][c])
                 if tuple(shape) != (self.image_size, self.image_size, 3):
-                    raise ValueError(f"GR00T input builder: image {c!r} has shape {shape}, the model expects "
-                                     f"({self.image_size}, {self.image_size}, 3) (set the data pipeline's image_size)")
+                    raise ValueError(
+                        f"GR00T input builder: image {c!r} has shape {shape}, the model expects "
+                        f"({self.image_size}, {self.image_size}, 3) (set the data pipeline's image_size)"
+                    )
         state = np.asarray(sample["state"], np.float32).reshape(-1)
         if state.shape[0] > self.max_state_dim:
-            raise ValueError(f"GR00T input builder: state has {state.shape[0]} dims > "
-                             f"max_state_dim={self.max_state_dim}")
+            raise ValueError(
+                f"GR00T input builder: state has {state.shape[0]} dims > max_state_dim={self.max_state_dim}"
+            )
         out = {
             "state": np.pad(state, (0, self.max_state_dim - state.shape[0])),
             "embodiment_id": np.int32(sample.get("embodiment_id", self.embodiment_id)),
@@ -132,28 +152,22 @@ class Gr00tInputBuilder:
         if self.packed:
             out["tokens"] = self.prompt_ids(sample["task"], len(cameras))
             size = self.image_size or 1
-            images = [_unit_range(sample["images"][c]) for c in cameras]
+            images = [to_unit_range(sample["images"][c]) for c in cameras]
             out["images"] = np.stack(images) if images else np.zeros((0, size, size, 3), np.float32)
         else:
             out["tokens"], out["token_mask"] = self.tokenize(sample["task"])
-            out["images"] = {c: _unit_range(sample["images"][c]) for c in self.cameras}
-            out["image_masks"] = {c: np.bool_(True) for c in self.cameras}
+            out["images"] = {c: to_unit_range(sample["images"][c]) for c in self.camera_names}
+            out["image_masks"] = {c: np.bool_(True) for c in self.camera_names}
         if "actions" in sample:
             actions = np.asarray(sample["actions"], np.float32)
             if actions.ndim != 2 or actions.shape[1] > self.action_dim:
-                raise ValueError(f"GR00T input builder: actions must be [horizon, <= {self.action_dim}], "
-                                 f"got {actions.shape}")
+                raise ValueError(
+                    f"GR00T input builder: actions must be [horizon, <= {self.action_dim}], got {actions.shape}"
+                )
             pad = self.action_dim - actions.shape[1]
             out["actions"] = np.pad(actions, ((0, 0), (0, pad)))
             out["action_mask"] = np.pad(np.ones_like(actions, bool), ((0, 0), (0, pad)))
         return out
-
-
-def _unit_range(image) -> np.ndarray:
-    image = np.asarray(image)
-    if image.dtype == np.uint8:
-        return image.astype(np.float32) / 127.5 - 1.0
-    return image.astype(np.float32)
 
 
 def packed_sample(sample: dict[str, Any], cameras) -> dict[str, Any]:

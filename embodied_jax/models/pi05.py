@@ -31,6 +31,7 @@ Beyond upstream:
 Explicit ``noise``/``time`` may be given in the shapes [R, (K,) (M,) horizon, A] / [R, (K,) (M,)]
 (K and M axes present only when > 1).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,22 +42,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from embodied_jax.config_registry import register
 from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
+from embodied_jax.nn.attention import mask_positions
 from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.dense import Dense
-from embodied_jax.nn.embeddings import fill_image_tokens
+from embodied_jax.nn.embeddings import fill_image_tokens, sincos_embedding
 from embodied_jax.nn.lora import LORA_FREEZE_REGEX, LoRAConfig
+from embodied_jax.nn.traced import module_fori_loop
 from embodied_jax.parallel.partition import shard_tokens
+from embodied_jax.policy import PolicyConfig
 
 GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256)
-GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256,
-                         use_adarms=True)
+GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256, use_adarms=True)
 SIGLIP_SO400M = SiglipConfig(width=1152, depth=27, num_heads=16, mlp_dim=4304, patch_size=14, image_size=224)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class Pi05Config:
+class Pi05Config(PolicyConfig):
     """π0.5 sizes and training options; defaults are the published π0.5 (``lerobot/pi05_base``)."""
 
     vision: SiglipConfig = SIGLIP_SO400M
@@ -100,7 +105,7 @@ class Pi05Config:
         if not 0 < self.action_dim <= self.max_action_dim:
             raise ValueError(f"Pi05Config: action_dim {self.action_dim} must be in 1..max_action_dim")
 
-    def make(self, rngs: nnx.Rngs) -> "Pi05Policy":
+    def make(self, rngs: nnx.Rngs) -> Pi05Policy:
         return Pi05Policy(self, rngs=rngs)
 
     def freeze_regexes(self) -> tuple[str, ...]:
@@ -126,10 +131,15 @@ class Pi05Config:
             raise ValueError("Pi05Config.tokenizer_path: set it to a local SentencePiece tokenizer.model")
         size = self.vision.image_size
         return Pi05InputBuilder(
-            tokenizer_path=self.tokenizer_path, camera_names=self.camera_names,
+            tokenizer_path=self.tokenizer_path,
+            camera_names=self.camera_names,
             image_size=tuple(size) if isinstance(size, (tuple, list)) else (size, size),
-            max_token_len=self.max_token_len, max_state_dim=self.max_state_dim, max_action_dim=self.max_action_dim,
-            packed=packed, image_tokens=self.vision.num_patches, image_token_id=self.image_token_id,
+            max_token_len=self.max_token_len,
+            max_state_dim=self.max_state_dim,
+            max_action_dim=self.max_action_dim,
+            packed=packed,
+            image_tokens=self.vision.num_patches,
+            image_token_id=self.image_token_id,
         )
 
     def training_flops(self, batch) -> dict[str, float]:
@@ -147,8 +157,8 @@ class Pi05Config:
             slots = int(np.asarray(batch["sample_mask"]).size)
             images = rows * int(np.asarray(batch["images"]).shape[1])
             lengths = [np.bincount(r[r > 0], minlength=1)[1:] for r in seg]
-            prefix_pairs = sum(flops.attention_pairs(l.tolist()) for l in lengths)
-            keys = sum(int(n) + hzn for l in lengths for n in l)  # per present sample: its prefix + suffix
+            prefix_pairs = sum(flops.attention_pairs(row.tolist()) for row in lengths)
+            keys = sum(int(n) + hzn for row in lengths for n in row)  # per present sample: its prefix + suffix
             prefix_tokens = rows * length
         else:
             rows, text = np.asarray(batch["tokens"]).shape
@@ -161,60 +171,32 @@ class Pi05Config:
         common = dict(heads=vlm.num_heads, kv_heads=vlm.num_kv_heads, head_dim=vlm.head_dim, gated=True)
         weights, attention = flops.Tally(), flops.Tally()
         trains = not self.lora_rank
-        weights.add(flops.siglip(self.vision, images) + 2 * images * patches * self.vision.width * vlm.width,
-                    trains=trains)
+        weights.add(
+            flops.siglip(self.vision, images) + 2 * images * patches * self.vision.width * vlm.width, trains=trains
+        )
         per_layer = flops.transformer_layer(prefix_tokens, 0, width=vlm.width, mlp_dim=vlm.mlp_dim, **common)
         suffix_layer = flops.transformer_layer(suffix_tokens, 0, width=expert.width, mlp_dim=expert.mlp_dim, **common)
-        head = 2 * suffix_tokens * self.max_action_dim * expert.width * 2 + 2 * slots * k * 2 * expert.width ** 2
+        head = 2 * suffix_tokens * self.max_action_dim * expert.width * 2 + 2 * slots * k * 2 * expert.width**2
         weights.add(vlm.depth * (per_layer + suffix_layer) + head, trains=trains)
-        attention.add(vlm.depth * 4 * (prefix_pairs + suffix_pairs) * vlm.num_heads * vlm.head_dim, trains=trains,
-                      after_trainable=True)
+        attention.add(
+            vlm.depth * 4 * (prefix_pairs + suffix_pairs) * vlm.num_heads * vlm.head_dim,
+            trains=trains,
+            after_trainable=True,
+        )
         # The prefix's last-layer output projection and MLP feed nothing (only its keys and
         # values are read); upstream computes them, XLA removes them from an unrolled stack.
         dead = flops.Tally(upstream_trains=True)
-        dead.add(flops.transformer_layer(prefix_tokens, 0, width=vlm.width, mlp_dim=vlm.mlp_dim, **common)
-                 - 2 * prefix_tokens * vlm.width * (vlm.num_heads + 2 * vlm.num_kv_heads) * vlm.head_dim,
-                 trains=trains)
+        dead.add(
+            flops.transformer_layer(prefix_tokens, 0, width=vlm.width, mlp_dim=vlm.mlp_dim, **common)
+            - 2 * prefix_tokens * vlm.width * (vlm.num_heads + 2 * vlm.num_kv_heads) * vlm.head_dim,
+            trains=trains,
+        )
         return {"weights": weights.total, "attention": attention.total, "unused": dead.total}
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
         from embodied_jax.models.pi05_inputs import synthetic_pi05_batch
 
         return synthetic_pi05_batch(self, batch_size, seed)
-
-
-def _split_f32(x: np.ndarray):
-    """float64 constants -> (hi, lo) float32 with hi + lo ≈ x to ~1e-14 relative."""
-    hi = x.astype(np.float32)
-    return hi, (x - hi.astype(np.float64)).astype(np.float32)
-
-
-def time_embedding(t, dim: int, *, min_period: float, max_period: float):
-    """openpi's sin/cos time embedding, accurate to float32 rounding of its *result*.
-
-    Upstream (LeRobot/openpi PyTorch) computes ``t · 2π / period`` in float64; with
-    ``min_period = 4e-3`` the angle reaches ~1.6e3 rad, where a float32 product is off by ~1e-4.
-    Here the angle is reduced modulo one turn before the trigonometry: the frequency
-    ``1 / period`` is a float64 constant split into two float32 parts and the product ``t · f_hi``
-    is made exact with Dekker's two-product, so ``frac(t · f)`` keeps full float32 precision.
-    """
-    if dim % 2:
-        raise ValueError(f"time_embedding: dim must be even, got {dim}")
-    fraction = np.linspace(0.0, 1.0, dim // 2)
-    freq_hi, freq_lo = _split_f32(1.0 / (min_period * (max_period / min_period) ** fraction))
-    t = jnp.asarray(t, jnp.float32)[..., None]
-    prod = t * freq_hi
-    splitter = jnp.float32(4097.0)  # Veltkamp split of float32 operands into 12-bit halves
-    def split(a):
-        c = splitter * a
-        high = c - (c - a)
-        return high, a - high
-    t_hi, t_lo = split(t)
-    f_hi, f_lo = split(jnp.asarray(freq_hi))
-    err = ((t_hi * f_hi - prod) + t_hi * f_lo + t_lo * f_hi) + t_lo * f_lo
-    turns = (prod - jnp.round(prod)) + (err + t * freq_lo)
-    angle = (2.0 * np.pi) * turns
-    return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
 
 
 @dataclasses.dataclass
@@ -240,38 +222,59 @@ class Pi05Policy(nnx.Module):
         dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         lora = LoRAConfig(config.lora_rank, config.lora_alpha) if config.lora_rank else None
         common = dict(dtype=dtype, param_dtype=param_dtype, fp8=config.fp8)
-        self.vision_tower = SiglipVisionModel(config.vision, attention_impl=config.attention_impl,
-                                              scan_layers=config.scan_layers, remat_policy=config.remat_policy,
-                                              rngs=rngs, **common)
-        self.multi_modal_projector = Dense(config.vision.width, config.vlm.width, axes=("embed", "mlp"),
-                                           rngs=rngs, **common)
-        self.llm = MultiExpertGemma((config.vlm, config.expert), vocab_size=config.vocab_size,
-                                    attention_impl=config.attention_impl, scan_layers=config.scan_layers,
-                                    remat_policy=config.remat_policy, lora=lora, rngs=rngs, **common)
+        self.vision_tower = SiglipVisionModel(
+            config.vision,
+            attention_impl=config.attention_impl,
+            scan_layers=config.scan_layers,
+            remat_policy=config.remat_policy,
+            rngs=rngs,
+            **common,
+        )
+        self.multi_modal_projector = Dense(
+            config.vision.width, config.vlm.width, axes=("embed", "mlp"), rngs=rngs, **common
+        )
+        self.llm = MultiExpertGemma(
+            (config.vlm, config.expert),
+            vocab_size=config.vocab_size,
+            attention_impl=config.attention_impl,
+            scan_layers=config.scan_layers,
+            remat_policy=config.remat_policy,
+            lora=lora,
+            rngs=rngs,
+            **common,
+        )
         width = config.expert.width
         self.action_in_proj = Dense(config.max_action_dim, width, axes=("channels", "embed"), rngs=rngs, **common)
         self.time_mlp_in = Dense(width, width, axes=("embed", "mlp"), rngs=rngs, **common)
         self.time_mlp_out = Dense(width, width, axes=("mlp", "embed"), rngs=rngs, **common)
-        self.action_out_proj = Dense(width, config.max_action_dim, axes=("embed", "channels"), rngs=rngs,
-                                     dtype=jnp.float32, param_dtype=param_dtype, fp8=config.fp8)
+        self.action_out_proj = Dense(
+            width,
+            config.max_action_dim,
+            axes=("embed", "channels"),
+            rngs=rngs,
+            dtype=jnp.float32,
+            param_dtype=param_dtype,
+            fp8=config.fp8,
+        )
 
     # ------------------------------------------------------------------ inputs
 
     def _inputs(self, batch) -> _Inputs:
-        cfg = self.config
+        config = self.config
         if "segment_ids" in batch:
             missing = [k for k in ("images", "image_segment_ids", "positions", "sample_mask") if k not in batch]
             if missing:
                 raise KeyError(f"π0.5: packed batch lacks {missing}")
             present = jnp.asarray(batch["sample_mask"], bool)
             m = present.shape[1]
-            bounds = SegmentBounds(max_segments=m, max_q_len=cfg.max_prefix_len, max_kv_len=cfg.max_prefix_len)
+            bounds = SegmentBounds(max_segments=m, max_q_len=config.max_prefix_len, max_kv_len=config.max_prefix_len)
             prefix = lambda policy: policy.embed_packed_prefix(batch)  # noqa: E731
         else:
-            missing = [c for c in cfg.camera_names if c not in batch["images"]]
+            missing = [c for c in config.camera_names if c not in batch["images"]]
             if missing:
-                raise KeyError(f"π0.5: batch['images'] lacks camera slots {missing} (config.camera_names "
-                               f"{cfg.camera_names})")
+                raise KeyError(
+                    f"π0.5: batch['images'] lacks camera slots {missing} (config.camera_names {config.camera_names})"
+                )
             rows = jnp.asarray(batch["tokens"]).shape[0]
             present = jnp.ones((rows, 1), bool)
             m, bounds = 1, None
@@ -280,11 +283,13 @@ class Pi05Policy(nnx.Module):
         if "actions" in batch:
             actions = jnp.asarray(batch["actions"], jnp.float32)
             rows = present.shape[0]
-            inputs.actions = actions.reshape(rows, m, cfg.action_horizon, cfg.max_action_dim)
+            inputs.actions = actions.reshape(rows, m, config.action_horizon, config.max_action_dim)
             if "action_dim_mask" in batch:
-                mask = jnp.asarray(batch["action_dim_mask"], bool).reshape(rows, m, cfg.max_action_dim)
+                mask = jnp.asarray(batch["action_dim_mask"], bool).reshape(rows, m, config.max_action_dim)
             else:
-                mask = jnp.broadcast_to(jnp.arange(cfg.max_action_dim) < cfg.action_dim, (rows, m, cfg.max_action_dim))
+                mask = jnp.broadcast_to(
+                    jnp.arange(config.max_action_dim) < config.action_dim, (rows, m, config.max_action_dim)
+                )
             inputs.dim_mask = mask
         return inputs
 
@@ -301,22 +306,24 @@ class Pi05Policy(nnx.Module):
         permutation-equivariant given segment ids and positions, so this changes no number
         but lets fused varlen kernels skip padding and absent cameras.
         """
-        cfg = self.config
-        images = jnp.stack([jnp.asarray(batch["images"][c]) for c in cfg.camera_names], axis=1)
+        config = self.config
+        images = jnp.stack([jnp.asarray(batch["images"][c]) for c in config.camera_names], axis=1)
         rows = images.shape[0]
         masks = batch.get("image_masks") or {}
-        image_seg = jnp.stack([jnp.asarray(masks.get(c, np.ones((rows,), bool))).astype(jnp.int32)
-                               for c in cfg.camera_names], axis=1)
+        image_seg = jnp.stack(
+            [jnp.asarray(masks.get(c, np.ones((rows,), bool))).astype(jnp.int32) for c in config.camera_names], axis=1
+        )
         feats = self.embed_images(images)
-        n = feats.shape[1] // len(cfg.camera_names)
+        n = feats.shape[1] // len(config.camera_names)
         text = self.llm.embed(jnp.asarray(batch["tokens"], jnp.int32)).astype(feats.dtype)
         x = jnp.concatenate([feats, text], axis=1)
-        segments = jnp.concatenate([jnp.repeat(image_seg, n, axis=1),
-                                    jnp.asarray(batch["token_mask"]).astype(jnp.int32)], axis=1)
+        segments = jnp.concatenate(
+            [jnp.repeat(image_seg, n, axis=1), jnp.asarray(batch["token_mask"]).astype(jnp.int32)], axis=1
+        )
         order = jnp.argsort(segments == 0, axis=1, stable=True)
         x = shard_tokens(jnp.take_along_axis(x, order[..., None], axis=1))
         segments = jnp.take_along_axis(segments, order, axis=1)
-        positions = jnp.maximum(jnp.cumsum(segments, axis=1, dtype=jnp.int32) - 1, 0) * segments
+        positions = mask_positions(segments)
         return x, segments, positions
 
     def embed_packed_prefix(self, batch):
@@ -334,7 +341,7 @@ class Pi05Policy(nnx.Module):
         width = self.config.expert.width
         suffix = self.action_in_proj(x_t)
         b, m, hzn, _ = suffix.shape
-        t_emb = time_embedding(time, width, min_period=self.config.min_period, max_period=self.config.max_period)
+        t_emb = sincos_embedding(time, width, min_period=self.config.min_period, max_period=self.config.max_period)
         cond = shard_tokens(jax.nn.silu(self.time_mlp_out(jax.nn.silu(self.time_mlp_in(t_emb)))))
         return shard_tokens(suffix.reshape(b, m * hzn, width)), cond
 
@@ -414,26 +421,28 @@ class Pi05Policy(nnx.Module):
 
     def loss_terms(self, batch, rng, *, noise=None, time=None):
         """(loss, per-sample loss [R, M] averaged over the K draws, sample presence [R, M], metrics)."""
-        cfg = self.config
+        config = self.config
         inputs = self._inputs(batch)
         if inputs.actions is None:
             raise KeyError("π0.5 loss: batch has no 'actions'")
         r, m = inputs.actions.shape[:2]
-        k = cfg.flow_samples_per_obs
-        hzn, adim = cfg.action_horizon, cfg.max_action_dim
+        k = config.flow_samples_per_obs
+        hzn, adim = config.action_horizon, config.max_action_dim
         noise_rng, time_rng = jax.random.split(rng)
         if noise is None:
             noise = jax.random.normal(noise_rng, (r, k, m, hzn, adim), jnp.float32)
         if time is None:
-            alpha, beta = cfg.time_beta
-            time = cfg.time_offset + cfg.time_scale * jax.random.beta(time_rng, alpha, beta, (r, k, m), jnp.float32)
+            alpha, beta = config.time_beta
+            time = config.time_offset + config.time_scale * jax.random.beta(
+                time_rng, alpha, beta, (r, k, m), jnp.float32
+            )
         noise = jnp.asarray(noise, jnp.float32).reshape(r, k, m, hzn, adim)
         time = jnp.asarray(time, jnp.float32).reshape(r, k, m)
         actions = inputs.actions[:, None]
         t = time[..., None, None]
         x_t = t * noise + (1.0 - t) * actions
         target = noise - actions
-        if cfg.joint_forward:
+        if config.joint_forward:
             v = self.joint_velocity(inputs, x_t[:, 0], time[:, 0])[:, None]
         else:
             cache = self.prefix_cache(inputs)
@@ -457,8 +466,10 @@ class Pi05Policy(nnx.Module):
         if "segment_ids" in batch:
             return (jnp.asarray(batch["segment_ids"]) > 0).sum()
         masks = batch.get("image_masks") or {}
-        images = sum(jnp.asarray(masks[c]).sum() if c in masks else jnp.asarray(batch["tokens"]).shape[0]
-                     for c in self.config.camera_names)
+        images = sum(
+            jnp.asarray(masks[c]).sum() if c in masks else jnp.asarray(batch["tokens"]).shape[0]
+            for c in self.config.camera_names
+        )
         return jnp.asarray(batch["token_mask"]).sum() + images * self.config.vision.num_patches
 
     def loss(self, batch, rng, *, noise=None, time=None):
@@ -467,24 +478,21 @@ class Pi05Policy(nnx.Module):
 
     def sample_actions(self, observation, rng, *, num_steps=None, noise=None):
         """Actions [B, horizon, action_dim] for an unpacked observation: Euler from t=1 to t=0."""
-        cfg = self.config
-        num_steps = int(num_steps or cfg.num_inference_steps)
+        config = self.config
+        num_steps = int(num_steps or config.num_inference_steps)
         inputs = self._inputs({k: v for k, v in observation.items() if k != "actions"})
         b = inputs.present.shape[0]
-        shape = (b, 1, cfg.action_horizon, cfg.max_action_dim)
+        shape = (b, 1, config.action_horizon, config.max_action_dim)
         x = jax.random.normal(rng, shape, jnp.float32) if noise is None else jnp.asarray(noise, jnp.float32)
         x = x.reshape(shape)
         cache = self.prefix_cache(inputs)
         dt = -1.0 / num_steps
-        # The loop body rebuilds the module from its state: NNX modules may not cross a raw jax trace.
-        graphdef, state = nnx.split(self)
-
         # Step times as upstream computes them: in float64, then rounded once to float32.
         times = jnp.asarray((1.0 + np.arange(num_steps) * dt).astype(np.float32))
 
-        def step(i, x):
+        def step(i, policy, x):  # policy: this module, rebuilt inside the loop (nn/traced.py)
             t = jnp.full((b, 1), times[i], jnp.float32)
-            return x + dt * nnx.merge(graphdef, state, copy=True).suffix_velocity(cache, x, t)
+            return x + dt * policy.suffix_velocity(cache, x, t)
 
-        x = jax.lax.fori_loop(0, num_steps, step, x)
-        return x[:, 0, :, : cfg.action_dim]
+        x = module_fori_loop(self, num_steps, step, x)
+        return x[:, 0, :, : config.action_dim]

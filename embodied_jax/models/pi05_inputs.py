@@ -8,8 +8,9 @@ Follows openpi/LeRobot's π0.5 preprocessing:
 - the prompt is ``f"Task: {task}, State: {bins};\\nAction: "`` where the task is stripped and has
   ``_`` and newlines replaced by spaces, tokenised with BOS, truncated and right-padded to
   ``max_token_len`` (``token_mask`` marks real tokens);
-- images are float32 in [-1, 1], resized with padding to ``image_size`` when needed; a camera
-  slot missing from the sample is filled with -1 and masked out;
+- images are float32 in [-1, 1] (``nn.image.to_unit_range``: uint8, or float in [0, 1] or [-1, 1]),
+  resized with padding to ``image_size`` when needed (``nn.image.resize_with_pad``, openpi's
+  floor rounding, padded with -1); a camera slot missing from the sample is filled with -1 and masked out;
 - actions are zero-padded to ``max_action_dim``; ``action_dim_mask`` marks the real dimensions.
 
 With ``packed=True`` the builder emits a sample for ``data/packing.py`` instead: ``tokens``
@@ -20,6 +21,7 @@ so a packed sample's prefix is the unpadded sample's real tokens in the same ord
 
 The builder is a plain callable on one unbatched sample so the data pipeline can map it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from embodied_jax.models.tokenizer import load_tokenizer
+from embodied_jax.nn.image import resize_with_pad, to_unit_range
 
 
 def discretize_state(state: np.ndarray, max_state_dim: int = 32, num_bins: int = 256) -> np.ndarray:
@@ -59,38 +62,6 @@ def tokenize_prompt(tokenizer, prompt: str, max_token_len: int) -> tuple[np.ndar
     mask = np.zeros((max_token_len,), bool)
     mask[: len(ids)] = True
     return tokens, mask
-
-
-def resize_with_pad(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """Resize an [H, W, 3] float image in [-1, 1] keeping aspect ratio, pad with -1 (upstream rule)."""
-    from PIL import Image
-
-    height, width = size
-    cur_h, cur_w = image.shape[:2]
-    if (cur_h, cur_w) == (height, width):
-        return image
-    ratio = max(cur_w / width, cur_h / height)
-    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
-    channels = [
-        np.asarray(Image.fromarray(image[..., c].astype(np.float32), mode="F").resize((new_w, new_h), Image.BILINEAR))
-        for c in range(image.shape[-1])
-    ]
-    resized = np.clip(np.stack(channels, axis=-1), -1.0, 1.0)
-    out = np.full((height, width, image.shape[-1]), -1.0, np.float32)
-    top, left = (height - new_h) // 2, (width - new_w) // 2
-    out[top : top + new_h, left : left + new_w] = resized
-    return out
-
-
-def to_unit_range(image: np.ndarray) -> np.ndarray:
-    """uint8 [0, 255] or float [0, 1] -> float32 [-1, 1]; float input outside [0, 1] is taken as already in [-1, 1]."""
-    image = np.asarray(image)
-    if image.dtype == np.uint8:
-        return image.astype(np.float32) / 127.5 - 1.0
-    image = image.astype(np.float32)
-    if image.min(initial=0.0) >= 0.0 and image.max(initial=0.0) <= 1.0:
-        return image * 2.0 - 1.0
-    return image
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +104,9 @@ class Pi05InputBuilder:
         images, masks = {}, {}
         for cam in self.camera_names:
             if cam in given:
-                images[cam] = resize_with_pad(to_unit_range(given[cam]), self.image_size)
+                images[cam] = resize_with_pad(
+                    to_unit_range(given[cam], floats="auto"), *self.image_size, rounding="floor"
+                )
                 masks[cam] = np.bool_(True)
             else:
                 images[cam] = np.full((*self.image_size, 3), -1.0, np.float32)
@@ -167,8 +140,11 @@ def packed_sample(sample: dict[str, Any], camera_names, image_tokens: int, image
     image_ids = np.full(len(present) * image_tokens, image_token_id, np.int32)
     out["tokens"] = np.concatenate([image_ids, prompt]).astype(np.int32)
     shape = np.shape(sample["images"][camera_names[0]])
-    out["images"] = (np.stack([np.asarray(sample["images"][c], np.float32) for c in present]) if present
-                     else np.zeros((0, *shape), np.float32))
+    out["images"] = (
+        np.stack([np.asarray(sample["images"][c], np.float32) for c in present])
+        if present
+        else np.zeros((0, *shape), np.float32)
+    )
     return out
 
 
@@ -185,15 +161,18 @@ def synthetic_samples(config, count: int, seed: int = 0, prompt_lengths=None) ->
         n = int(prompt_lengths[i]) if prompt_lengths is not None else default_len
         tokens = np.zeros((config.max_token_len,), np.int32)
         tokens[:n] = rng.integers(1, config.vocab_size, n)
-        samples.append({
-            "images": {c: rng.uniform(-1, 1, (size, size, 3)).astype(np.float32) for c in config.camera_names},
-            "image_masks": {c: np.bool_(j < 2 or len(config.camera_names) < 3)
-                            for j, c in enumerate(config.camera_names)},
-            "state": rng.uniform(-1, 1, (config.max_state_dim,)).astype(np.float32),
-            "tokens": tokens,
-            "token_mask": np.arange(config.max_token_len) < n,
-            "actions": rng.normal(size=(config.action_horizon, config.max_action_dim)).astype(np.float32),
-        })
+        samples.append(
+            {
+                "images": {c: rng.uniform(-1, 1, (size, size, 3)).astype(np.float32) for c in config.camera_names},
+                "image_masks": {
+                    c: np.bool_(j < 2 or len(config.camera_names) < 3) for j, c in enumerate(config.camera_names)
+                },
+                "state": rng.uniform(-1, 1, (config.max_state_dim,)).astype(np.float32),
+                "tokens": tokens,
+                "token_mask": np.arange(config.max_token_len) < n,
+                "actions": rng.normal(size=(config.action_horizon, config.max_action_dim)).astype(np.float32),
+            }
+        )
     return samples
 
 

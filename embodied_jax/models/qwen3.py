@@ -9,6 +9,7 @@ segment ids match and are non-zero and the key's block id (its position) is not 
 query's. ``hidden_states`` returns the final RMSNorm applied to the last built layer, so a
 model built with fewer layers than the published one is the truncated LLM GR00T uses.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from embodied_jax.config_registry import register
 from embodied_jax.nn.attention import attention
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import Embed
@@ -28,6 +30,7 @@ from embodied_jax.nn.stack import build_stack, run_stack
 from embodied_jax.parallel.partition import shard_tokens
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     width: int = 2048
@@ -42,43 +45,51 @@ class Qwen3Config:
 
 
 class Qwen3Attention(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, *, dtype, param_dtype, fp8: str, impl: str, rngs: nnx.Rngs):
-        self.cfg = cfg
+    def __init__(self, config: Qwen3Config, *, dtype, param_dtype, fp8: str, impl: str, rngs: nnx.Rngs):
+        self.config = config
         self.impl = impl
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         common = dict(use_bias=False, fp8=fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = Dense(cfg.width, q_dim, axes=("embed", "heads"), **common)
-        self.k_proj = Dense(cfg.width, kv_dim, axes=("embed", "kv_heads"), **common)
-        self.v_proj = Dense(cfg.width, kv_dim, axes=("embed", "kv_heads"), **common)
-        self.o_proj = Dense(q_dim, cfg.width, axes=("heads", "embed"), **common)
-        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
-        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = Dense(config.width, q_dim, axes=("embed", "heads"), **common)
+        self.k_proj = Dense(config.width, kv_dim, axes=("embed", "kv_heads"), **common)
+        self.v_proj = Dense(config.width, kv_dim, axes=("embed", "kv_heads"), **common)
+        self.o_proj = Dense(q_dim, config.width, axes=("heads", "embed"), **common)
+        norm = dict(eps=config.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(config.head_dim, **norm)
+        self.k_norm = RMSNorm(config.head_dim, **norm)
 
     def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool, bounds=None):
         b, t, _ = x.shape
-        cfg = self.cfg
-        q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim))
-        k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(q, positions, theta=cfg.rope_theta).astype(v.dtype)
-        k = apply_rope(k, positions, theta=cfg.rope_theta).astype(v.dtype)
+        config = self.config
+        q = self.q_norm(self.q_proj(x).reshape(b, t, config.num_heads, config.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, config.num_kv_heads, config.head_dim))
+        v = self.v_proj(x).reshape(b, t, config.num_kv_heads, config.head_dim)
+        q = apply_rope(q, positions, theta=config.rope_theta).astype(v.dtype)
+        k = apply_rope(k, positions, theta=config.rope_theta).astype(v.dtype)
         out = attention(
-            q, k, v,
-            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            q_block_ids=positions, kv_block_ids=positions,
-            causal_blocks=causal_blocks, impl=self.impl, bounds=bounds,
+            q,
+            k,
+            v,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            q_block_ids=positions,
+            kv_block_ids=positions,
+            causal_blocks=causal_blocks,
+            impl=self.impl,
+            bounds=bounds,
         )
-        return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim))
+        return self.o_proj(out.reshape(b, t, config.num_heads * config.head_dim))
 
 
 class Qwen3DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, *, dtype, param_dtype, fp8: str, impl: str, rngs: nnx.Rngs):
-        norm = dict(eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(cfg.width, **norm)
-        self.self_attn = Qwen3Attention(cfg, dtype=dtype, param_dtype=param_dtype, fp8=fp8, impl=impl, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.width, **norm)
-        self.mlp = GatedMLP(cfg.width, cfg.mlp_dim, activation="silu", fp8=fp8, dtype=dtype,
-                            param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, config: Qwen3Config, *, dtype, param_dtype, fp8: str, impl: str, rngs: nnx.Rngs):
+        norm = dict(eps=config.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(config.width, **norm)
+        self.self_attn = Qwen3Attention(config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, impl=impl, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.width, **norm)
+        self.mlp = GatedMLP(
+            config.width, config.mlp_dim, activation="silu", fp8=fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
 
     def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool = True, bounds=None):
         h = self.self_attn(self.input_layernorm(x), positions, q_segment_ids, kv_segment_ids, causal_blocks, bounds)
@@ -91,7 +102,7 @@ class Qwen3Model(nnx.Module):
 
     def __init__(
         self,
-        cfg: Qwen3Config,
+        config: Qwen3Config,
         *,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -101,23 +112,27 @@ class Qwen3Model(nnx.Module):
         remat_policy: str = "none",
         rngs: nnx.Rngs,
     ):
-        self.cfg = cfg
+        self.config = config
         self.dtype = dtype
         self.scan_layers = scan_layers
         self.remat_policy = remat_policy
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed_tokens = Embed(config.vocab_size, config.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layers = build_stack(
-            lambda r: Qwen3DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, fp8=fp8,
-                                        impl=attention_impl, rngs=r),
-            cfg.num_layers, scan=scan_layers, rngs=rngs,
+            lambda r: Qwen3DecoderLayer(
+                config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, impl=attention_impl, rngs=r
+            ),
+            config.num_layers,
+            scan=scan_layers,
+            rngs=rngs,
         )
-        self.norm = RMSNorm(cfg.width, eps=cfg.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(config.width, eps=config.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.embed_tokens(tokens)
 
-    def __call__(self, embeddings, positions, q_segment_ids, kv_segment_ids=None, *, causal_blocks: bool = True,
-                 bounds=None):
+    def __call__(
+        self, embeddings, positions, q_segment_ids, kv_segment_ids=None, *, causal_blocks: bool = True, bounds=None
+    ):
         """Final-normed hidden states [B, T, D] of the last layer.
 
         ``kv_segment_ids`` defaults to ``q_segment_ids``; passing all-ones query ids with the
@@ -128,7 +143,14 @@ class Qwen3Model(nnx.Module):
         """
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         x = run_stack(
-            self.layers, embeddings, positions, q_segment_ids, kv_segment_ids,
-            scan=self.scan_layers, remat_policy=self.remat_policy, causal_blocks=causal_blocks, bounds=bounds,
+            self.layers,
+            embeddings,
+            positions,
+            q_segment_ids,
+            kv_segment_ids,
+            scan=self.scan_layers,
+            remat_policy=self.remat_policy,
+            causal_blocks=causal_blocks,
+            bounds=bounds,
         )
         return self.norm(x)

@@ -10,6 +10,7 @@ Parameter names follow HF: ``embeddings.patch_embedding.{kernel [P, P, C, D], bi
 ``embeddings.position_embedding.embedding``, ``encoder.layers[.i].{layer_norm1, self_attn.
 {q,k,v,out}_proj, layer_norm2, mlp.{fc1, fc2}}``, ``post_layernorm``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from embodied_jax.config_registry import register
 from embodied_jax.nn.attention import attention
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import LearnedPositions
@@ -28,6 +30,7 @@ from embodied_jax.nn.stack import build_stack, run_stack
 from embodied_jax.parallel.partition import cast_parameter, shard_tokens
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class SiglipConfig:
     width: int = 1152
@@ -63,8 +66,10 @@ class PatchEmbedding(nnx.Module):
         self.patch = patch
         self.dtype = dtype
         fan_in_init = nnx.initializers.lecun_normal(in_axis=(0, 1, 2), out_axis=3)
-        self.kernel = nnx.Param(fan_in_init(rngs.params(), (patch, patch, channels, width), param_dtype),
-                                out_sharding=("conv", "conv", "channels", "embed"))
+        self.kernel = nnx.Param(
+            fan_in_init(rngs.params(), (patch, patch, channels, width), param_dtype),
+            out_sharding=("conv", "conv", "channels", "embed"),
+        )
         self.bias = nnx.Param(jnp.zeros((width,), param_dtype), out_sharding=("embed",))
 
     def __call__(self, images):
@@ -80,16 +85,18 @@ class PatchEmbedding(nnx.Module):
 
 class SiglipEmbeddings(nnx.Module):
     def __init__(self, config: SiglipConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
-        self.patch_embedding = PatchEmbedding(config.patch_size, config.num_channels, config.width,
-                                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.position_embedding = LearnedPositions(config.num_patches, config.width, param_dtype=param_dtype,
-                                                   rngs=rngs)
+        self.patch_embedding = PatchEmbedding(
+            config.patch_size, config.num_channels, config.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.position_embedding = LearnedPositions(config.num_patches, config.width, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, images):
         x = self.patch_embedding(images)
         if x.shape[1] != self.position_embedding.embedding.shape[0]:
-            raise ValueError(f"SigLIP: images {images.shape[1:3]} give {x.shape[1]} patches, the position table has "
-                             f"{self.position_embedding.embedding.shape[0]}: set SiglipConfig.image_size")
+            raise ValueError(
+                f"SigLIP: images {images.shape[1:3]} give {x.shape[1]} patches, the position table has "
+                f"{self.position_embedding.embedding.shape[0]}: set SiglipConfig.image_size"
+            )
         return shard_tokens(x + self.position_embedding().astype(x.dtype)[None])
 
 
@@ -117,11 +124,21 @@ class SiglipEncoderLayer(nnx.Module):
     def __init__(self, config: SiglipConfig, *, dtype, param_dtype, fp8, lora, attention_impl, rngs):
         norm = dict(eps=config.layer_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.layer_norm1 = LayerNorm(config.width, **norm)
-        self.self_attn = SiglipAttention(config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora,
-                                         attention_impl=attention_impl, rngs=rngs)
+        self.self_attn = SiglipAttention(
+            config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora, attention_impl=attention_impl, rngs=rngs
+        )
         self.layer_norm2 = LayerNorm(config.width, **norm)
-        self.mlp = MLP(config.width, config.mlp_dim, activation=config.activation, use_bias=True, fp8=fp8,
-                       dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=rngs)
+        self.mlp = MLP(
+            config.width,
+            config.mlp_dim,
+            activation=config.activation,
+            use_bias=True,
+            fp8=fp8,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            lora=lora,
+            rngs=rngs,
+        )
 
     def __call__(self, x):
         x = shard_tokens(x + self.self_attn(self.layer_norm1(x)))
@@ -132,8 +149,9 @@ class SiglipEncoder(nnx.Module):
     def __init__(self, config: SiglipConfig, *, scan_layers: bool, remat_policy: str, rngs: nnx.Rngs, **layer_kw):
         self.scan_layers = scan_layers
         self.remat_policy = remat_policy
-        self.layers = build_stack(lambda r: SiglipEncoderLayer(config, rngs=r, **layer_kw), config.depth,
-                                  scan=scan_layers, rngs=rngs)
+        self.layers = build_stack(
+            lambda r: SiglipEncoderLayer(config, rngs=r, **layer_kw), config.depth, scan=scan_layers, rngs=rngs
+        )
 
     def __call__(self, x):
         return run_stack(self.layers, x, scan=self.scan_layers, remat_policy=self.remat_policy)
@@ -158,12 +176,21 @@ class SiglipVisionModel(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.embeddings = SiglipEmbeddings(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.encoder = SiglipEncoder(config, scan_layers=scan_layers, remat_policy=remat_policy, rngs=rngs,
-                                     dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora,
-                                     attention_impl=attention_impl)
+        self.encoder = SiglipEncoder(
+            config,
+            scan_layers=scan_layers,
+            remat_policy=remat_policy,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            fp8=fp8,
+            lora=lora,
+            attention_impl=attention_impl,
+        )
         self.post_layernorm = (
             LayerNorm(config.width, eps=config.layer_norm_eps, dtype=dtype, param_dtype=param_dtype)
-            if config.post_layernorm else None
+            if config.post_layernorm
+            else None
         )
 
     def __call__(self, images):

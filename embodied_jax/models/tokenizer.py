@@ -4,6 +4,7 @@
 ``tokenizers`` JSON file. Both are wrapped behind one small interface (``encode`` with explicit
 BOS/EOS control, ``decode``, special ids). Nothing is downloaded: a path must be given.
 """
+
 from __future__ import annotations
 
 import os

@@ -48,6 +48,7 @@ attention for a split of the weights that produced it. They are also named for r
 policies (``attention_q``, ``attention_k``, ``attention_v``, ``attention_out``; see
 ``nn.stack``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -109,12 +110,26 @@ def attention_mask(q_segment_ids, kv_segment_ids, q_block_ids=None, kv_block_ids
 
 
 def segment_positions(segment_ids):
-    """Position of each token inside its (contiguous) segment, 0 for padding. int32 [B, T]."""
+    """Position of each token inside its (contiguous) segment, 0 for padding. int32 [B, T].
+
+    For packed rows: the count restarts at every change of segment id (and after padding).
+    Compare ``mask_positions``, which counts a row's real tokens across padding holes."""
     seg = jnp.asarray(segment_ids, jnp.int32)
     idx = jnp.arange(seg.shape[1], dtype=jnp.int32)[None, :]
     starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
     return jnp.where(seg != 0, idx - start_idx, 0)
+
+
+def mask_positions(mask):
+    """Rank of each real token (``mask`` != 0) among its row's real tokens, 0 for padding. int32 [B, T].
+
+    For one sample per row with a padding mask: ``cumsum(mask) - 1`` (the rule Hugging Face
+    uses for position ids from an attention mask), so padding anywhere in the row (left, right,
+    holes) does not shift the positions of the tokens after it. On a row whose real tokens are
+    one contiguous run it equals ``segment_positions``."""
+    real = jnp.asarray(mask) != 0
+    return jnp.where(real, jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, 0)
 
 
 def _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids):
@@ -219,8 +234,16 @@ def _cudnn_attention(q, k, v, q_seg, kv_seg, q_blk, kv_blk, scale, causal_blocks
         kv_off, kv_len = _segment_offsets(kv_seg, m)
         mask_type = cudnn_fa.MaskType.CAUSAL if causal_blocks else cudnn_fa.MaskType.NO_MASK
         out = cudnn_fa.dot_product_attention(
-            q, k, v, q_seqlen=q_len, kv_seqlen=kv_len, q_offsets=q_off, kv_offsets=kv_off,
-            scale=scale, mask_type=mask_type, qkv_layout="BTNH",
+            q,
+            k,
+            v,
+            q_seqlen=q_len,
+            kv_seqlen=kv_len,
+            q_offsets=q_off,
+            kv_offsets=kv_off,
+            scale=scale,
+            mask_type=mask_type,
+            qkv_layout="BTNH",
         )
     has_key = mask.any(-1)[:, 0, :, None, None]  # [B, T, 1, 1]
     return jnp.where(has_key, out, 0).astype(q.dtype)
@@ -299,8 +322,10 @@ def attention(
         if reason:
             raise ValueError(f"attention impl='pallas' unavailable: {reason}; use impl='auto' or 'blocksparse'")
     elif impl == "blocksparse" and bounds is None:
-        raise ValueError("attention impl='blocksparse' needs bounds=SegmentBounds(...) (segments per row, "
-                         "longest segment); use impl='auto' or 'xla' for unpacked inputs")
+        raise ValueError(
+            "attention impl='blocksparse' needs bounds=SegmentBounds(...) (segments per row, "
+            "longest segment); use impl='auto' or 'xla' for unpacked inputs"
+        )
     elif impl == "cudnn":
         reason = _cudnn_illegal_reason(q, k, v)
         if reason:
@@ -314,11 +339,13 @@ def attention(
         mask = attention_mask(q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids)
         out = xla_attention(q, k, v, mask, scale)
     elif impl == "blocksparse":
-        out = block_sparse_attention(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids,
-                                     scale=scale, bounds=bounds)
+        out = block_sparse_attention(
+            q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, scale=scale, bounds=bounds
+        )
     elif impl == "pallas":
-        out = pallas_attention.flash_segment_attention(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids,
-                                                       kv_block_ids, scale=scale)
+        out = pallas_attention.flash_segment_attention(
+            q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, scale=scale
+        )
     elif impl == "cudnn":
         max_segments = bounds.max_segments if bounds is not None else None
         out = _cudnn_attention(

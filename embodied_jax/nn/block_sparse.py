@@ -26,6 +26,7 @@ scatter-adds into the gathered blocks) and XLA compiles it on CPU and GPU. The b
 hold: a row with more segments than ``max_segments`` or a segment longer than its bound
 loses keys silently (the packer and the model configs guarantee them).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,14 +100,16 @@ def _layout(segment_ids, max_segments: int, block: int, num_blocks: int) -> _Lay
     dest = jnp.zeros((b, t), jnp.int32).at[rows, order].set(slot)
     source = jnp.full((b, v + 1), t, jnp.int32).at[rows, slot].set(order.astype(jnp.int32))[:, :v]
     block_index = jnp.arange(num_blocks, dtype=jnp.int32)
-    inside = ((block_index[None, None, :] >= run_first_block[:, :, None])
-              & (block_index[None, None, :] < (run_first_block + run_blocks)[:, :, None]))  # [B, R, J]
+    inside = (block_index[None, None, :] >= run_first_block[:, :, None]) & (
+        block_index[None, None, :] < (run_first_block + run_blocks)[:, :, None]
+    )  # [B, R, J]
     block_segment = jnp.max(jnp.where(inside, run_segment[:, :, None], 0), axis=1)
     return _Layout(source, dest, run_segment, run_first_block, run_blocks, block_segment)
 
 
-def block_sparse_attention(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, *, scale: float,
-                           bounds: SegmentBounds):
+def block_sparse_attention(
+    q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, *, scale: float, bounds: SegmentBounds
+):
     """q [B, T, N, H]; k, v [B, S, K, H]; ids [B, T] / [B, S] (block ids may be None = zeros)."""
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
@@ -151,10 +154,12 @@ def block_sparse_attention(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, 
 
     kb, vb = take_blocks(kvv[0]), take_blocks(kvv[1])  # [Jq, B, C, bk, K, H]
     kb_seg, kb_blk = take_blocks(kv_seg_v), take_blocks(kv_blk_v)  # [Jq, B, C, bk]
-    mask = ((q_seg_v[..., None, None] == kb_seg[:, :, None])
-            & (kb_seg[:, :, None] != 0)
-            & (kb_blk[:, :, None] <= q_blk_v[..., None, None])
-            & kv_valid[:, :, None, :, None])  # [Jq, B, bq, C, bk]
+    mask = (
+        (q_seg_v[..., None, None] == kb_seg[:, :, None])
+        & (kb_seg[:, :, None] != 0)
+        & (kb_blk[:, :, None] <= q_blk_v[..., None, None])
+        & kv_valid[:, :, None, :, None]
+    )  # [Jq, B, bq, C, bk]
     qg = qv.reshape(jq, b, bq, kv_heads, g, h)
 
     @jax.checkpoint  # the backward pass recomputes one query block's probabilities at a time

@@ -18,10 +18,12 @@
 
 ``lora=LoRAConfig(rank, alpha)`` adds ``lora_a``/``lora_b`` beside ``kernel`` (see lora.py).
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -7,6 +7,7 @@ its training multiplier: 1 for the forward pass, +1 for its weights' gradients w
 trains, +1 for its inputs' gradients when it trains or something before it does (a
 frozen module before every trainable one runs forward only).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,19 @@ def attention_pairs(segments, dense_length: int | None = None) -> int:
     return sum(n * n for n in segments)
 
 
-def transformer_layer(tokens: int, pairs: int, *, width: int, heads: int, kv_heads: int, head_dim: int,
-                      mlp_dim: int, gated: bool, context_tokens: int = 0, context_width: int = 0) -> float:
+def transformer_layer(
+    tokens: int,
+    pairs: int,
+    *,
+    width: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    mlp_dim: int,
+    gated: bool,
+    context_tokens: int = 0,
+    context_width: int = 0,
+) -> float:
     """One pre-norm block: q/k/v/o projections, MLP (gated: 3 matrices) and attention pairs.
 
     With ``context_tokens`` (cross-attention) keys/values are projected from those tokens of
@@ -35,10 +47,17 @@ def transformer_layer(tokens: int, pairs: int, *, width: int, heads: int, kv_hea
 def siglip(config, images: int) -> float:
     """A SigLIP tower on ``images`` images (patch embedding + encoder layers)."""
     tokens = config.num_patches
-    patch = 2 * tokens * config.patch_size ** 2 * 3 * config.width
-    layer = transformer_layer(tokens, tokens * tokens, width=config.width, heads=config.num_heads,
-                              kv_heads=config.num_heads, head_dim=config.width // config.num_heads,
-                              mlp_dim=config.mlp_dim, gated=False)
+    patch = 2 * tokens * config.patch_size**2 * 3 * config.width
+    layer = transformer_layer(
+        tokens,
+        tokens * tokens,
+        width=config.width,
+        heads=config.num_heads,
+        kv_heads=config.num_heads,
+        head_dim=config.width // config.num_heads,
+        mlp_dim=config.mlp_dim,
+        gated=False,
+    )
     return float(images * (patch + config.depth * layer))
 
 

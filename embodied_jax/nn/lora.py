@@ -12,20 +12,25 @@ Freezing the base: train only parameters whose path (names joined by "/") matche
 Equivalently, the trainer's freeze regex is ``LORA_FREEZE_REGEX`` (any path whose last name is
 not ``lora_a``/``lora_b``). ``is_lora_path`` applies the rule to a path tuple.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
 import string
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
+
+from embodied_jax.config_registry import register
 
 LORA_TRAINABLE_REGEX = r"(^|/)lora_[ab]$"
 LORA_FREEZE_REGEX = r"^(?!(.*/)?lora_[ab]$).*$"
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     rank: int
@@ -56,8 +61,8 @@ def _parse(spec: str):
 def make_lora_params(spec: str, kernel_shape, axes, config: LoRAConfig, param_dtype, rngs: nnx.Rngs):
     """(lora_a, lora_b) nnx.Params for a kernel of ``kernel_shape`` used as ``einsum(spec, x, kernel)``."""
     _, k_spec, _, contracted, produced, _ = _parse(spec)
-    dim = dict(zip(k_spec, kernel_shape))
-    axis = dict(zip(k_spec, axes))
+    dim = dict(zip(k_spec, kernel_shape, strict=True))
+    axis = dict(zip(k_spec, axes, strict=True))
     a_shape = tuple(dim[c] for c in contracted) + (config.rank,)
     b_shape = (config.rank,) + tuple(dim[c] for c in produced)
     a = nnx.initializers.normal(config.init_std)(rngs.params(), a_shape, param_dtype)

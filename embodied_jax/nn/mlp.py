@@ -1,15 +1,17 @@
 """Feed-forward blocks: GatedMLP (GeGLU / SwiGLU, Gemma/Qwen naming) and a two-layer MLP."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from embodied_jax.nn.dense import Dense
-from embodied_jax.parallel.partition import shard_tokens
 from embodied_jax.nn.lora import LoRAConfig
+from embodied_jax.parallel.partition import shard_tokens
 
 ACTIVATIONS = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -28,9 +30,18 @@ def get_activation(name: str):
 class GatedMLP(nnx.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``, no biases."""
 
-    def __init__(self, width: int, hidden: int, *, activation: str = "gelu_tanh", fp8: str = "none",
-                 dtype: Any = None, param_dtype: Any = jnp.float32, lora: LoRAConfig | None = None,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        width: int,
+        hidden: int,
+        *,
+        activation: str = "gelu_tanh",
+        fp8: str = "none",
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        lora: LoRAConfig | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.activation = get_activation(activation)
         common = dict(use_bias=False, fp8=fp8, dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=rngs)
         self.gate_proj = Dense(width, hidden, axes=("embed", "mlp"), **common)
@@ -44,10 +55,21 @@ class GatedMLP(nnx.Module):
 class MLP(nnx.Module):
     """``fc2(act(fc1(x)))``; attribute names configurable (``names``) to match upstream."""
 
-    def __init__(self, width: int, hidden: int, *, activation: str = "gelu_tanh", out_features: int | None = None,
-                 use_bias: bool = True, names: Sequence[str] = ("fc1", "fc2"), fp8: str = "none",
-                 dtype: Any = None, param_dtype: Any = jnp.float32, lora: LoRAConfig | None = None,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        width: int,
+        hidden: int,
+        *,
+        activation: str = "gelu_tanh",
+        out_features: int | None = None,
+        use_bias: bool = True,
+        names: Sequence[str] = ("fc1", "fc2"),
+        fp8: str = "none",
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        lora: LoRAConfig | None = None,
+        rngs: nnx.Rngs,
+    ):
         if len(names) != 2 or names[0] == names[1]:
             raise ValueError(f"MLP: names must be two distinct attribute names, got {tuple(names)}")
         self.activation = get_activation(activation)

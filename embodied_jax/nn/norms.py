@@ -4,9 +4,11 @@ Statistics are always computed in float32; the result is cast to ``dtype`` (None
 input dtype). Parameter names follow the upstream checkpoints (``scale``, ``bias``,
 ``dense``, ``linear``).
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +34,16 @@ def layer_normalize(x, eps: float):
 class RMSNorm(nnx.Module):
     """RMSNorm with param ``scale`` [dim]: Gemma ``(1 + scale)`` (zeros init) or Llama/Qwen ``scale``."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, zero_centered: bool = True, dtype: Any = None,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-6,
+        zero_centered: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ):
         del rngs  # deterministic init
         self.eps = eps
         self.zero_centered = zero_centered
@@ -54,12 +64,28 @@ class AdaRMSNorm(nnx.Module):
     Returns ``(y, gate)``; the caller applies the gate to the residual branch.
     """
 
-    def __init__(self, dim: int, cond_dim: int, *, eps: float = 1e-6, dtype: Any = None,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        cond_dim: int,
+        *,
+        eps: float = 1e-6,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         self.eps = eps
         self.dtype = dtype
-        self.dense = Dense(cond_dim, 3 * dim, axes=("cond", "embed"), use_bias=True, dtype=dtype,
-                           param_dtype=param_dtype, kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+        self.dense = Dense(
+            cond_dim,
+            3 * dim,
+            axes=("cond", "embed"),
+            use_bias=True,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=nnx.initializers.zeros_init(),
+            rngs=rngs,
+        )
 
     def __call__(self, x, cond):
         modulation = self.dense(cond).astype(jnp.float32)
@@ -74,8 +100,17 @@ class AdaRMSNorm(nnx.Module):
 class LayerNorm(nnx.Module):
     """LayerNorm with optional params ``scale`` (ones) and ``bias`` (zeros)."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, use_scale: bool = True, use_bias: bool = True,
-                 dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-5,
+        use_scale: bool = True,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ):
         del rngs
         self.eps = eps
         self.dtype = dtype
@@ -98,21 +133,30 @@ class AdaLayerNorm(nnx.Module):
     linear output in order (GR00T's DiT uses ("scale", "shift")).
     """
 
-    def __init__(self, dim: int, cond_dim: int, *, eps: float = 1e-5,
-                 chunk_order: Sequence[str] = ("scale", "shift"), dtype: Any = None,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        cond_dim: int,
+        *,
+        eps: float = 1e-5,
+        chunk_order: Sequence[str] = ("scale", "shift"),
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         if sorted(chunk_order) != ["scale", "shift"]:
             raise ValueError(f"AdaLayerNorm: chunk_order must order 'scale' and 'shift', got {chunk_order}")
         self.eps = eps
         self.dtype = dtype
         self.chunk_order = tuple(chunk_order)
-        self.linear = Dense(cond_dim, 2 * dim, axes=("cond", "embed"), use_bias=True, dtype=dtype,
-                            param_dtype=param_dtype, rngs=rngs)
+        self.linear = Dense(
+            cond_dim, 2 * dim, axes=("cond", "embed"), use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
 
     def __call__(self, x, cond):
         modulation = self.linear(jax.nn.silu(cond)).astype(jnp.float32)
         if modulation.ndim == x.ndim - 1:
             modulation = modulation[..., None, :]
-        chunks = dict(zip(self.chunk_order, jnp.split(modulation, 2, axis=-1)))
+        chunks = dict(zip(self.chunk_order, jnp.split(modulation, 2, axis=-1), strict=True))
         y = layer_normalize(x, self.eps) * (1.0 + chunks["scale"]) + chunks["shift"]
         return y.astype(self.dtype or x.dtype)

@@ -28,6 +28,7 @@ head_dim to a power of two >= 16 outside the kernel (Triton's tile constraints).
 CPU tests check the kernel logic there against the dense reference; the ``gpu``-marked test
 checks the compiled Triton kernel.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 NEG = -1e30  # masked logit: finite, so fully masked blocks never produce NaN
-BIG = 2 ** 30
+BIG = 2**30
 
 
 def _pad(x, axis: int, multiple: int):
@@ -74,8 +75,23 @@ def _mask(qs, qb, ks, kb):
     return (qs[:, None] == ks[None, :]) & (ks[None, :] != 0) & (kb[None, :] <= qb[:, None])
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, qb_ref, ks_ref, kb_ref, klo_ref, khi_ref, o_ref, lse_ref, *,
-                scale: float, block_k: int, num_k_blocks: int):
+def _fwd_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    qs_ref,
+    qb_ref,
+    ks_ref,
+    kb_ref,
+    klo_ref,
+    khi_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale: float,
+    block_k: int,
+    num_k_blocks: int,
+):
     q = q_ref[...]
     qs, qb = qs_ref[...], qb_ref[...]
     q_lo = jnp.min(jnp.where(qs > 0, qs, BIG))
@@ -84,7 +100,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, qb_ref, ks_ref, kb_ref, klo_ref, kh
 
     def body(j, carry):
         def visit(carry):
-            acc, m, l = carry
+            acc, m, denom = carry
             sl = pl.ds(j * block_k, block_k)
             k, v = k_ref[sl, :], v_ref[sl, :]
             mask = _mask(qs, qb, ks_ref[sl], kb_ref[sl])
@@ -92,22 +108,39 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, qb_ref, ks_ref, kb_ref, klo_ref, kh
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
             correction = jnp.exp(m - m_new)
-            l = l * correction + jnp.sum(p, axis=-1)
+            denom = denom * correction + jnp.sum(p, axis=-1)
             acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v).astype(jnp.float32)
-            return acc, m_new, l
+            return acc, m_new, denom
 
         visible = (klo_ref[j] <= q_hi) & (khi_ref[j] >= q_lo)
         return lax.cond(visible, visit, lambda c: c, carry)
 
     init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, num_k_blocks, body, init)
-    seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -NEG)
+    acc, m, denom = lax.fori_loop(0, num_k_blocks, body, init)
+    seen = denom > 0
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, denom, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), -NEG)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qb_ref, ks_ref, kb_ref, klo_ref, khi_ref,
-               dq_ref, *, scale: float, block_k: int, num_k_blocks: int):
+def _dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qs_ref,
+    qb_ref,
+    ks_ref,
+    kb_ref,
+    klo_ref,
+    khi_ref,
+    dq_ref,
+    *,
+    scale: float,
+    block_k: int,
+    num_k_blocks: int,
+):
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     qs, qb = qs_ref[...], qb_ref[...]
@@ -132,8 +165,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qb_ref, 
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qb_ref, ks_ref, kb_ref, qlo_ref, qhi_ref,
-                dk_ref, dv_ref, *, scale: float, block_q: int, num_q_blocks: int, group: int):
+def _dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qs_ref,
+    qb_ref,
+    ks_ref,
+    kb_ref,
+    qlo_ref,
+    qhi_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale: float,
+    block_q: int,
+    num_q_blocks: int,
+    group: int,
+):
     k, v = k_ref[...], v_ref[...]
     ks, kb = ks_ref[...], kb_ref[...]
     k_lo = jnp.min(jnp.where(ks > 0, ks, BIG))
@@ -141,6 +193,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qb_ref,
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
     for g in range(group):  # the query heads sharing this key/value head
+
         def body(i, carry, g=g):
             def visit(carry):
                 dk, dv = carry
@@ -219,12 +272,16 @@ def _flash_bwd(scale, block_q, block_k, interpret, residuals, do):
         functools.partial(_dq_kernel, scale=scale, block_k=block_k, num_k_blocks=s // block_k),
         grid=(b, n, t // block_q),
         in_specs=[
-            pl.BlockSpec((None, None, block_q, h), lambda bi, ni, qi: (bi, ni, qi, 0)), full_kv, full_kv,
+            pl.BlockSpec((None, None, block_q, h), lambda bi, ni, qi: (bi, ni, qi, 0)),
+            full_kv,
+            full_kv,
             pl.BlockSpec((None, None, block_q, h), lambda bi, ni, qi: (bi, ni, qi, 0)),
             pl.BlockSpec((None, None, block_q), lambda bi, ni, qi: (bi, ni, qi)),
             pl.BlockSpec((None, None, block_q), lambda bi, ni, qi: (bi, ni, qi)),
-            ids_q, ids_q,
-            pl.BlockSpec((None, s), lambda bi, ni, qi: (bi, 0)), pl.BlockSpec((None, s), lambda bi, ni, qi: (bi, 0)),
+            ids_q,
+            ids_q,
+            pl.BlockSpec((None, s), lambda bi, ni, qi: (bi, 0)),
+            pl.BlockSpec((None, s), lambda bi, ni, qi: (bi, 0)),
             pl.BlockSpec((None, s // block_k), lambda bi, ni, qi: (bi, 0)),
             pl.BlockSpec((None, s // block_k), lambda bi, ni, qi: (bi, 0)),
         ],
@@ -243,9 +300,16 @@ def _flash_bwd(scale, block_q, block_k, interpret, residuals, do):
         functools.partial(_dkv_kernel, scale=scale, block_q=block_q, num_q_blocks=t // block_q, group=group),
         grid=(b, kh, s // block_k),
         in_specs=[
-            all_q, kv_block, kv_block, all_q, all_stats, all_stats,
-            pl.BlockSpec((None, t), lambda bi, ki, kj: (bi, 0)), pl.BlockSpec((None, t), lambda bi, ki, kj: (bi, 0)),
-            ids_k, ids_k,
+            all_q,
+            kv_block,
+            kv_block,
+            all_q,
+            all_stats,
+            all_stats,
+            pl.BlockSpec((None, t), lambda bi, ki, kj: (bi, 0)),
+            pl.BlockSpec((None, t), lambda bi, ki, kj: (bi, 0)),
+            ids_k,
+            ids_k,
             pl.BlockSpec((None, t // block_q), lambda bi, ki, kj: (bi, 0)),
             pl.BlockSpec((None, t // block_q), lambda bi, ki, kj: (bi, 0)),
         ],
@@ -260,8 +324,20 @@ def _flash_bwd(scale, block_q, block_k, interpret, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_segment_attention(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids=None, kv_block_ids=None, *,
-                            scale: float, block_q: int = 64, block_k: int = 64, interpret: bool = False):
+def flash_segment_attention(
+    q,
+    k,
+    v,
+    q_segment_ids,
+    kv_segment_ids,
+    q_block_ids=None,
+    kv_block_ids=None,
+    *,
+    scale: float,
+    block_q: int = 64,
+    block_k: int = 64,
+    interpret: bool = False,
+):
     """q [B, T, N, H]; k, v [B, S, K, H]; int ids [B, T] / [B, S] (block ids None = zeros) -> [B, T, N, H]."""
     b, t, n, h = q.shape
     s = k.shape[1]
@@ -270,14 +346,24 @@ def flash_segment_attention(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids=
     hp = _head_pad(h)
     q_blk = jnp.zeros((b, t), jnp.int32) if q_block_ids is None else q_block_ids
     kv_blk = jnp.zeros((b, s), jnp.int32) if kv_block_ids is None else kv_block_ids
-    ids = [_pad(jnp.asarray(x, jnp.int32), 1, m) for x, m in
-           ((q_segment_ids, block_q), (kv_segment_ids, block_k), (q_blk, block_q), (kv_blk, block_k))]
+    ids = [
+        _pad(jnp.asarray(x, jnp.int32), 1, m)
+        for x, m in ((q_segment_ids, block_q), (kv_segment_ids, block_k), (q_blk, block_q), (kv_blk, block_k))
+    ]
 
     def heads_first(x, multiple):
         return _pad(_pad(jnp.swapaxes(x, 1, 2), 2, multiple), 3, hp)
 
-    out = _flash(heads_first(q, block_q), heads_first(k, block_k), heads_first(v, block_k), *ids,
-                 float(scale), block_q, block_k, interpret)
+    out = _flash(
+        heads_first(q, block_q),
+        heads_first(k, block_k),
+        heads_first(v, block_k),
+        *ids,
+        float(scale),
+        block_q,
+        block_k,
+        interpret,
+    )
     return jnp.swapaxes(out[:, :, :t, :h], 1, 2)
 
 

@@ -4,6 +4,7 @@ The head dimension is split into a first and a second half; frequency k (k < H/2
 the pair (x[k], x[k + H/2]) by angle ``position * theta ** (-2k / H)``. Computed in
 float32, returned in the input dtype.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ def rope_angles(positions, head_dim: int, theta: float = 10_000.0):
     if head_dim % 2:
         raise ValueError(f"apply_rope: head_dim must be even, got {head_dim}")
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     return jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
 
 

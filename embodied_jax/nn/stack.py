@@ -25,9 +25,11 @@ backward pass recomputes the MLPs and the softmax; about a sixth of the activati
 compile time, never the numbers. Under FSDP a scanned stack needs a policy other than
 "none": without one the backward pass keeps every layer's gathered weights.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +103,9 @@ def run_stack(stack, carry, *args, scan: bool, remat_policy: str = "none", with_
             raise TypeError(f"run_stack(scan=False) expects a list of layers, got {type(stack).__name__}")
         outs = []
         for i, layer in enumerate(stack):
-            layer_inputs = jax.tree.map(lambda x: None if x is None else x[i], per_layer, is_leaf=lambda x: x is None)
+            layer_inputs = jax.tree.map(
+                lambda x, i=i: None if x is None else x[i], per_layer, is_leaf=lambda x: x is None
+            )
             carry, out = apply(layer, carry, layer_inputs)
             outs.append(out)
         if not with_outputs:

@@ -4,6 +4,7 @@ Resolution order: explicit ``coordinator/num_processes/process_id`` (the launche
 ``--coordinator/--num-processes/--process-id``), then SLURM, Kubernetes (JobSet or an
 Indexed Job), Open MPI. A single process needs no initialisation at all.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,19 +12,25 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from typing import Annotated
 
 import jax
+import tyro
+
+from embodied_jax.config_registry import register
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 6789
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    coordinator: str | None = None  # "host:port"
-    num_processes: int | None = None
-    process_id: int | None = None
+    # The launcher also accepts these three as --coordinator, --num-processes and --process-id.
+    coordinator: Annotated[str | None, tyro.conf.arg(aliases=("--coordinator",))] = None  # "host:port"
+    num_processes: Annotated[int | None, tyro.conf.arg(aliases=("--num-processes",))] = None
+    process_id: Annotated[int | None, tyro.conf.arg(aliases=("--process-id",))] = None
     local_device_ids: tuple[int, ...] | None = None
     port: int = DEFAULT_PORT  # used when the coordinator is detected without a port
 
@@ -69,8 +76,9 @@ def detect_cluster(env: Mapping[str, str] | None = None, port: int = DEFAULT_POR
         return ClusterSpec(
             addr(_first_slurm_host(nodelist)), int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]), "SLURM"
         )
-    if "JOB_COMPLETION_INDEX" in env and ("JOBSET_NAME" in env or "EMBODIED_JAX_NUM_PROCESSES" in env
-                                           or "NUM_PROCESSES" in env):
+    if "JOB_COMPLETION_INDEX" in env and (
+        "JOBSET_NAME" in env or "EMBODIED_JAX_NUM_PROCESSES" in env or "NUM_PROCESSES" in env
+    ):
         # JobSet: pods are named <jobset>-<replicatedjob>-<jobindex>-<podindex>.<subdomain>.
         num = int(env.get("NUM_PROCESSES") or env["EMBODIED_JAX_NUM_PROCESSES"])
         if "COORDINATOR_ADDRESS" in env:
@@ -86,18 +94,19 @@ def detect_cluster(env: Mapping[str, str] | None = None, port: int = DEFAULT_POR
         host = env.get("COORDINATOR_ADDRESS") or env.get("MASTER_ADDR")
         if not host:
             raise ValueError("Open MPI job: set COORDINATOR_ADDRESS (or MASTER_ADDR) to rank 0's host")
-        return ClusterSpec(
-            addr(host), int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"]), "Open MPI"
-        )
+        return ClusterSpec(addr(host), int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"]), "Open MPI")
     return None
 
 
-def initialize(config: DistributedConfig = DistributedConfig(), env: Mapping[str, str] | None = None) -> ClusterSpec | None:
+def initialize(
+    config: DistributedConfig = DistributedConfig(), env: Mapping[str, str] | None = None
+) -> ClusterSpec | None:
     """Call ``jax.distributed.initialize`` when this is a multi-process job; return what was used."""
     if config.coordinator is not None or config.num_processes is not None or config.process_id is not None:
         missing = [n for n in ("coordinator", "num_processes", "process_id") if getattr(config, n) is None]
         if missing:
-            raise ValueError(f"distributed: explicit initialisation needs {', '.join('--' + m.replace('_', '-') for m in missing)} too")
+            flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+            raise ValueError(f"distributed: explicit initialisation needs {flags} too")
         spec = ClusterSpec(config.coordinator, config.num_processes, config.process_id, "command line")
     else:
         spec = detect_cluster(env, config.port)
@@ -105,8 +114,13 @@ def initialize(config: DistributedConfig = DistributedConfig(), env: Mapping[str
         return spec
     if not 0 <= spec.process_id < spec.num_processes:
         raise ValueError(f"distributed: process_id={spec.process_id} outside [0, {spec.num_processes})")
-    log.info("jax.distributed: process %d/%d, coordinator %s (%s)", spec.process_id, spec.num_processes,
-             spec.coordinator, spec.source)
+    log.info(
+        "jax.distributed: process %d/%d, coordinator %s (%s)",
+        spec.process_id,
+        spec.num_processes,
+        spec.coordinator,
+        spec.source,
+    )
     jax.distributed.initialize(
         coordinator_address=spec.coordinator,
         num_processes=spec.num_processes,

@@ -19,6 +19,7 @@ cost analysis counts a while body once, so a layer scan's matmuls once instead o
 peak, largest first, with the shape and the JAX operation that made each, from XLA's
 ``*-live-range.txt`` dump, which ``compile_with_dumps`` produces.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,9 +35,27 @@ from embodied_jax.parallel.mesh import config_axis
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
-                "s4": 0.5, "u4": 0.5}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\([^)]*\).*)?\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
@@ -83,8 +102,10 @@ class CollectiveStats:
 
 
 def _array_bytes(shape_text: str) -> list[float]:
-    return [_DTYPE_BYTES.get(dt, 4) * float(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-            for dt, dims in _ARRAY.findall(shape_text)]
+    return [
+        _DTYPE_BYTES.get(dt, 4) * float(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        for dt, dims in _ARRAY.findall(shape_text)
+    ]
 
 
 def _iota_groups(text: str) -> np.ndarray | None:
@@ -289,7 +310,7 @@ def dot_flops(hlo_text: str) -> float:
         if not count:
             continue
         types = {name: result for name, result, _, _ in instructions}
-        for name, result, opcode, rest in instructions:
+        for _name, result, opcode, rest in instructions:
             if opcode != "dot":
                 continue
             out = _ARRAY.findall(result)

@@ -13,6 +13,7 @@ Sharding a dimension over all parts is the same device layout as over the unspli
 ``axis_parts``/``axis_size`` translate config axis names to mesh axes; nothing else should
 index ``mesh.shape`` by a config name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +24,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, Mesh
 
+from embodied_jax.config_registry import register
 from embodied_jax.parallel.rules import MESH_AXES, SPLIT_AXES
 
 
@@ -30,6 +32,7 @@ class MeshError(ValueError):
     """A mesh config that cannot be laid over the available devices."""
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Sizes of the named mesh axes. -1 on one axis means "all remaining devices"."""
@@ -57,17 +60,17 @@ class MeshConfig:
 def resolve_axis_sizes(config: MeshConfig, num_devices: int) -> dict[str, int]:
     """Total size per axis (dcn × ici) with -1 filled; raises MeshError naming the field."""
     dcn = config.dcn_sizes()
-    for name, size in zip(MESH_AXES, dcn):
+    for name, size in zip(MESH_AXES, dcn, strict=True):
         if size < 1:
             raise MeshError(f"mesh.dcn_{name}={size}: DCN axis sizes must be >= 1")
     sizes = list(config.ici_sizes())
-    fills = [a for a, s in zip(MESH_AXES, sizes) if s == -1]
+    fills = [a for a, s in zip(MESH_AXES, sizes, strict=True) if s == -1]
     if len(fills) > 1:
         raise MeshError(f"mesh: at most one axis may be -1, got {', '.join('mesh.' + a for a in fills)}")
-    for name, size in zip(MESH_AXES, sizes):
+    for name, size in zip(MESH_AXES, sizes, strict=True):
         if size == 0 or size < -1:
             raise MeshError(f"mesh.{name}={size}: axis sizes must be positive or -1")
-    fixed = math.prod(s * d for s, d in zip(sizes, dcn) if s != -1)
+    fixed = math.prod(s * d for s, d in zip(sizes, dcn, strict=True) if s != -1)
     if fills:
         i = MESH_AXES.index(fills[0])
         rest = fixed * dcn[i]
@@ -77,7 +80,7 @@ def resolve_axis_sizes(config: MeshConfig, num_devices: int) -> dict[str, int]:
                 f"the {num_devices} available"
             )
         sizes[i] = num_devices // rest
-    total = {a: s * d for a, s, d in zip(MESH_AXES, sizes, dcn)}
+    total = {a: s * d for a, s, d in zip(MESH_AXES, sizes, dcn, strict=True)}
     if math.prod(total.values()) != num_devices:
         desc = ", ".join(f"mesh.{a}={getattr(config, a)}" for a in MESH_AXES)
         raise MeshError(f"{desc} need {math.prod(total.values())} devices but {num_devices} are available")
@@ -128,7 +131,7 @@ def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     total = resolve_axis_sizes(config, len(devices))
     dcn = config.dcn_sizes()
     if math.prod(dcn) > 1:
-        ici = tuple(total[a] // d for a, d in zip(MESH_AXES, dcn))
+        ici = tuple(total[a] // d for a, d in zip(MESH_AXES, dcn, strict=True))
         # TPU pods group devices by slice; elsewhere (GPU/CPU nodes) a process is the granule.
         by_process = devices[0].platform != "tpu"
         try:
@@ -138,7 +141,7 @@ def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
         except ValueError as e:
             granules = "processes" if by_process else "slices"
             raise MeshError(
-                f"mesh.dcn_*={dict(zip(MESH_AXES, dcn))}: a hybrid mesh needs {math.prod(dcn)} {granules} "
+                f"mesh.dcn_*={dict(zip(MESH_AXES, dcn, strict=True))}: a hybrid mesh needs {math.prod(dcn)} {granules} "
                 f"with equally many devices each ({e})"
             ) from e
     else:

@@ -18,6 +18,7 @@ attention inputs/outputs so that the partitioner gathers weights, never the batc
 gathers bf16, and reduces gradients in f32). The rules in force come from ``use_rules``
 (``sharding.mesh_context`` sets them).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,9 +77,17 @@ def expand_axes(mesh, target) -> list[str]:
     return [part for name in names for part in axis_parts(mesh, name)]
 
 
-def place(shape: Sequence[int], names: Sequence[str | None], mesh, rules: Rules = LOGICAL_AXIS_RULES, *,
-          fill: Sequence[str] = (), itemsize: int = 4, min_shard_bytes: int = 0,
-          skip: frozenset[str] = frozenset()) -> Placement:
+def place(
+    shape: Sequence[int],
+    names: Sequence[str | None],
+    mesh,
+    rules: Rules = LOGICAL_AXIS_RULES,
+    *,
+    fill: Sequence[str] = (),
+    itemsize: int = 4,
+    min_shard_bytes: int = 0,
+    skip: frozenset[str] = frozenset(),
+) -> Placement:
     """The placement of an array of ``shape`` whose dimensions have logical ``names``.
 
     ``fill``: config axes whose unused parts go to any dimension that divides (parameters);
@@ -99,8 +108,11 @@ def place(shape: Sequence[int], names: Sequence[str | None], mesh, rules: Rules 
     def whole_elsewhere(i: int, parts: list[str]) -> bool:
         """Another dimension could hold all of ``parts`` (a fill axis): split along one dimension."""
         whole = math.prod(sizes[a] for a in parts)
-        return bool(parts) and set(parts) <= fill_parts and any(
-            j != i and not dims[j] and shape[j] % whole == 0 for j in range(len(shape)))
+        return (
+            bool(parts)
+            and set(parts) <= fill_parts
+            and any(j != i and not dims[j] and shape[j] % whole == 0 for j in range(len(shape)))
+        )
 
     for i, name in enumerate(names):
         if name is None:
@@ -116,8 +128,7 @@ def place(shape: Sequence[int], names: Sequence[str | None], mesh, rules: Rules 
             used.update(taken)
             if taken != wanted or rank:
                 got = math.prod(sizes[a] for a in taken)
-                notes.append(f"{name}[{shape[i]}] over {got} of {math.prod(sizes[a] for a in wanted)} "
-                             f"({target})")
+                notes.append(f"{name}[{shape[i]}] over {got} of {math.prod(sizes[a] for a in wanted)} ({target})")
             if taken == wanted:
                 break
     for fill_axis in fill:
@@ -133,8 +144,10 @@ def place(shape: Sequence[int], names: Sequence[str | None], mesh, rules: Rules 
                 dims[i] += taken
                 used.update(taken)
                 spare = [a for a in spare if a not in taken]
-                notes.append(f"{fill_axis} x{math.prod(sizes[a] for a in taken)} on dim {i} "
-                             f"({names[i] or 'unnamed'}[{shape[i]}])")
+                notes.append(
+                    f"{fill_axis} x{math.prod(sizes[a] for a in taken)} on dim {i} "
+                    f"({names[i] or 'unnamed'}[{shape[i]}])"
+                )
     if min_shard_bytes and math.prod(shape) * itemsize < min_shard_bytes and any(dims):
         return Placement(PartitionSpec(*([None] * len(shape))), f"replicated: below {min_shard_bytes} bytes")
     spec = PartitionSpec(*[None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims])
@@ -169,8 +182,16 @@ def logical_names(variable) -> tuple[str | None, ...]:
 
 
 def place_parameter(shape, names, dtype, mesh, rules: ShardingRules, skip: frozenset[str] = frozenset()) -> Placement:
-    return place(shape, names, mesh, rules.table, fill=PARAMETER_FILL_AXES, itemsize=np.dtype(dtype).itemsize,
-                 min_shard_bytes=rules.min_shard_bytes, skip=skip)
+    return place(
+        shape,
+        names,
+        mesh,
+        rules.table,
+        fill=PARAMETER_FILL_AXES,
+        itemsize=np.dtype(dtype).itemsize,
+        min_shard_bytes=rules.min_shard_bytes,
+        skip=skip,
+    )
 
 
 def parameter_placements(tree, mesh: Mesh, rules: ShardingRules = ShardingRules()):
@@ -184,7 +205,7 @@ def parameter_placements(tree, mesh: Mesh, rules: ShardingRules = ShardingRules(
 
 
 def _manual_axes(mesh) -> frozenset[str]:
-    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual)
 
 
 def constrain(x, names: Sequence[str | None]):
@@ -208,8 +229,9 @@ def cast_parameter(variable, dtype):
     mesh = jax.sharding.get_abstract_mesh()
     if dtype == value.dtype or mesh.empty:
         return value.astype(dtype)
-    spec = place_parameter(value.shape, logical_names(variable), value.dtype, mesh, active_rules(),
-                           skip=_manual_axes(mesh)).spec
+    spec = place_parameter(
+        value.shape, logical_names(variable), value.dtype, mesh, active_rules(), skip=_manual_axes(mesh)
+    ).spec
     return _pinned_cast(value, dtype, spec, _widest_split(spec, mesh))
 
 
@@ -237,7 +259,9 @@ def _widest_split(spec: PartitionSpec, mesh) -> PartitionSpec | None:
     if len(split) < 2:
         return None
     sizes = _sizes(mesh)
-    widest = max(split, key=lambda i: math.prod(sizes[a] for a in ((spec[i],) if isinstance(spec[i], str) else spec[i])))
+    widest = max(
+        split, key=lambda i: math.prod(sizes[a] for a in ((spec[i],) if isinstance(spec[i], str) else spec[i]))
+    )
     return PartitionSpec(*[e if i == widest else None for i, e in enumerate(spec)])
 
 

@@ -16,6 +16,7 @@ preset); ``MeshConfig.rules`` / ``--mesh.rules`` take entries ``LOGICAL=AXIS[,AX
     --mesh.fsdp 4 --mesh.tensor 2 --mesh.rules tensor_parallel
     --mesh.rules vocab=fsdp mlp=tensor act_mlp=tensor
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,8 +64,13 @@ KNOWN_LOGICAL_AXES = frozenset(name for name, _ in LOGICAL_AXIS_RULES)
 # activations between the paired matmuls) split over ``tensor``; the vocabulary too.
 PRESETS: dict[str, Rules] = {
     "tensor_parallel": (
-        ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"),
-        ("act_mlp", "tensor"), ("act_heads", "tensor"), ("act_kv_heads", "tensor"),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("vocab", "tensor"),
+        ("act_mlp", "tensor"),
+        ("act_heads", "tensor"),
+        ("act_kv_heads", "tensor"),
     ),
 }
 
@@ -79,20 +85,24 @@ def parse_rules(entries: Sequence[str]) -> Rules:
     for entry in entries:
         if "=" not in entry:
             if entry not in PRESETS:
-                raise RulesError(f"mesh.rules: {entry!r} is neither LOGICAL=AXIS nor a preset "
-                                 f"({', '.join(sorted(PRESETS))})")
+                raise RulesError(
+                    f"mesh.rules: {entry!r} is neither LOGICAL=AXIS nor a preset ({', '.join(sorted(PRESETS))})"
+                )
             rules.extend(PRESETS[entry])
             continue
         name, _, value = entry.partition("=")
         name = name.strip()
         if name not in KNOWN_LOGICAL_AXES:
-            raise RulesError(f"mesh.rules: unknown logical axis {name!r} in {entry!r}; known: "
-                             f"{', '.join(sorted(KNOWN_LOGICAL_AXES))}")
+            raise RulesError(
+                f"mesh.rules: unknown logical axis {name!r} in {entry!r}; known: "
+                f"{', '.join(sorted(KNOWN_LOGICAL_AXES))}"
+            )
         axes = tuple(a.strip() for a in value.split(",") if a.strip())
         unknown = [a for a in axes if a not in MESH_AXES]
         if unknown:
-            raise RulesError(f"mesh.rules: unknown mesh axis {unknown[0]!r} in {entry!r}; mesh axes: "
-                             f"{', '.join(MESH_AXES)}")
+            raise RulesError(
+                f"mesh.rules: unknown mesh axis {unknown[0]!r} in {entry!r}; mesh axes: {', '.join(MESH_AXES)}"
+            )
         rules.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(rules)
 
@@ -114,7 +124,7 @@ class ShardingRules:
     min_shard_bytes: int = 0
 
     @classmethod
-    def from_config(cls, overrides: Sequence[str] = (), min_shard_bytes: int = 0) -> "ShardingRules":
+    def from_config(cls, overrides: Sequence[str] = (), min_shard_bytes: int = 0) -> ShardingRules:
         if min_shard_bytes < 0:
             raise RulesError(f"mesh.min_shard_bytes={min_shard_bytes} must be >= 0")
         return cls(with_overrides(overrides), int(min_shard_bytes))
@@ -128,5 +138,7 @@ def candidates(rules: Rules, name: str) -> list[Target]:
     """The mesh-axis choices for one logical name, in order of preference."""
     found = [target for n, target in rules if n == name]
     if not found:
-        raise KeyError(f"logical axis {name!r} has no sharding rule (known: {', '.join(sorted({n for n, _ in rules}))})")
+        raise KeyError(
+            f"logical axis {name!r} has no sharding rule (known: {', '.join(sorted({n for n, _ in rules}))})"
+        )
     return found

@@ -1,4 +1,5 @@
 """The mesh context, parameter and batch ``NamedSharding``s, per-process batches to global arrays."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,11 @@ def mesh_context(mesh: Mesh, rules: ShardingRules = ShardingRules()) -> Iterator
 
 def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> nnx.State:
     """``NamedSharding`` per leaf of an (abstract) NNX state, from its logical annotations."""
-    return jax.tree.map(lambda p: NamedSharding(mesh, p.spec), parameter_placements(abstract_state, mesh, rules),
-                        is_leaf=lambda x: hasattr(x, "spec"))
+    return jax.tree.map(
+        lambda p: NamedSharding(mesh, p.spec),
+        parameter_placements(abstract_state, mesh, rules),
+        is_leaf=lambda x: hasattr(x, "spec"),
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

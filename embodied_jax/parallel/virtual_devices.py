@@ -5,6 +5,7 @@ virtual CPU devices, ``--dry-run --compile`` partitions the train step exactly a
 for N accelerators and reports per-device memory and collectives. The device count is fixed
 when JAX starts its backends, so this must run before any JAX computation.
 """
+
 from __future__ import annotations
 
 import jax
@@ -32,6 +33,7 @@ def use_virtual_devices(count: int) -> None:
             f"--virtual-devices {count}: JAX is already initialised with {len(devices)} "
             f"{'/'.join(sorted({d.platform for d in devices}))} device(s); the device count is fixed when JAX "
             f"starts, so pass it before anything runs JAX (or start Python with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} JAX_PLATFORMS=cpu)")
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} JAX_PLATFORMS=cpu)"
+        )
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", count)

@@ -16,6 +16,7 @@
 - ``xla_gpu_enable_command_buffer=`` (empty): CUDA graphs off; they rarely help large
   steps and raise memory use.
 """
+
 from __future__ import annotations
 
 GPU_FLAGS: dict[str, str] = {

@@ -20,14 +20,24 @@ Public entry points (each module's docstring has the details):
 This package knows models only through the ``act`` callable; it never imports
 ``embodied_jax.train`` or a concrete model.
 """
+
 import importlib
 
 # Imported on first use: MJX takes seconds to import, and importing a submodule such as
 # ``embodied_jax.sim.tasks`` should not pay for it.
 _EXPORTS = {
-    "Env": "env", "EnvConfig": "env", "EnvState": "env", "batch_reset": "env", "batch_step": "env",
-    "EvalConfig": "evaluate", "Evaluator": "evaluate", "evaluate_tasks": "evaluate", "summarize": "evaluate",
-    "wilson_interval": "evaluate", "TASKS": "tasks", "make_task": "tasks",
+    "Env": "env",
+    "EnvConfig": "env",
+    "EnvState": "env",
+    "batch_reset": "env",
+    "batch_step": "env",
+    "EvalConfig": "evaluate",
+    "Evaluator": "evaluate",
+    "evaluate_tasks": "evaluate",
+    "summarize": "evaluate",
+    "wilson_interval": "evaluate",
+    "TASKS": "tasks",
+    "make_task": "tasks",
 }
 __all__ = list(_EXPORTS)
 

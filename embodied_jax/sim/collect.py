@@ -9,13 +9,16 @@ state), ``observation.images.<camera>`` (``scene`` and wrist cameras, mp4) and
 ``action`` (the expert's joint targets); the episode's task string is the
 instruction. Writing is done by :func:`embodied_jax.data.writer.write_lerobot_dataset`.
 """
+
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import pathlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -26,26 +29,64 @@ from embodied_jax.sim import tasks as tasks_lib
 
 ROBOT_TYPE = "embodied_jax_gantry"
 _FRAME_BUDGET_BYTES = 400_000_000  # bound on the images held per rollout batch
-_ROLLOUTS: dict[tuple, object] = {}
+ROLLOUT_CACHE_SIZE = 8  # compiled expert rollouts kept per process (least recently used dropped)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolloutKey:
+    """What an expert rollout program depends on; ``env`` (the first one seen) is not part of it."""
+
+    task_type: type
+    task_name: str
+    episode_limit: int
+    model_fingerprint: str
+    config: env_lib.EnvConfig
+    batch: int
+    steps: int
+    noise: float
+    env: env_lib.Env = dataclasses.field(compare=False, hash=False, repr=False)
+
+
+@functools.lru_cache(maxsize=ROLLOUT_CACHE_SIZE)
+def _build_rollout(key: _RolloutKey):
+    return rollout_lib.make_rollout(
+        key.env, rollout_lib.expert_policy(key.env), key.batch, steps=key.steps, render=True, execution_noise=key.noise
+    )
 
 
 def _expert_rollout(env: env_lib.Env, batch: int, steps: int, noise: float):
-    """The jitted expert rollout, one per task, model, config and shape in a process.
+    """The jitted expert rollout, one per task, model, config and shape (the last
+    ``ROLLOUT_CACHE_SIZE`` of them in a process).
 
     Reused rather than rebuilt for a fresh ``Env`` of the same task: a new trace would give
     Warp's render calls new ids, so the compilation cache could not recognise the program.
     """
     task = env.task
-    key = (type(task), task.name, task.episode_limit, env_lib.model_fingerprint(env.mj_model), env.config,
-           batch, steps, noise)
-    if key not in _ROLLOUTS:
-        _ROLLOUTS[key] = rollout_lib.make_rollout(env, rollout_lib.expert_policy(env), batch, steps=steps,
-                                                  render=True, execution_noise=noise)
-    return _ROLLOUTS[key]
+    return _build_rollout(
+        _RolloutKey(
+            type(task),
+            task.name,
+            task.episode_limit,
+            env_lib.model_fingerprint(env.mj_model),
+            env.config,
+            batch,
+            steps,
+            noise,
+            env,
+        )
+    )
 
 
-def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: int | None = None,
-                    keep_failures: bool = False, max_batches: int | None = None, noise: float = 0.0) -> list[dict]:
+def expert_episodes(
+    env: env_lib.Env,
+    episodes: int,
+    *,
+    seed: int = 0,
+    batch: int | None = None,
+    keep_failures: bool = False,
+    max_batches: int | None = None,
+    noise: float = 0.0,
+) -> list[dict]:
     """Run the scripted expert until ``episodes`` (successful, unless ``keep_failures``) are gathered.
 
     ``noise``: std (metres) of the perturbation of executed hand positions; the recorded
@@ -86,16 +127,28 @@ def expert_episodes(env: env_lib.Env, episodes: int, *, seed: int = 0, batch: in
     return out
 
 
-def collect(task: str, episodes: int, out: str | os.PathLike, *, image_size: tuple[int, int] = (64, 64),
-            seed: int = 0, batch: int | None = None, renderer: str = "auto", version: str = "v3.0",
-            codec: str = "h264", keep_failures: bool = False, noise: float = 0.0) -> pathlib.Path:
+def collect(
+    task: str,
+    episodes: int,
+    out: str | os.PathLike,
+    *,
+    image_size: tuple[int, int] = (64, 64),
+    seed: int = 0,
+    batch: int | None = None,
+    renderer: str = "auto",
+    version: str = "v3.0",
+    codec: str = "h264",
+    keep_failures: bool = False,
+    noise: float = 0.0,
+) -> pathlib.Path:
     """Write ``episodes`` expert demonstrations of ``task`` as a LeRobot dataset under ``out``."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
     env = env_lib.Env(task, env_lib.EnvConfig(image_size=tuple(image_size), renderer=renderer))
     eps = expert_episodes(env, episodes, seed=seed, batch=batch, keep_failures=keep_failures, noise=noise)
-    return write_lerobot_dataset(out, eps, fps=round(1.0 / env.control_dt), version=version, codec=codec,
-                                 robot_type=ROBOT_TYPE)
+    return write_lerobot_dataset(
+        out, eps, fps=round(1.0 / env.control_dt), version=version, codec=codec, robot_type=ROBOT_TYPE
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,23 +156,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("task", choices=sorted(tasks_lib.TASKS))
     parser.add_argument("--episodes", type=int, required=True)
     parser.add_argument("--out", required=True, help="dataset directory to create")
-    parser.add_argument("--image-size", type=int, nargs="+", default=[64], metavar="PX",
-                        help="square size, or height width (default 64)")
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        nargs="+",
+        default=[64],
+        metavar="PX",
+        help="square size, or height width (default 64)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=None, help="episodes simulated per rollout")
     parser.add_argument("--renderer", choices=("auto", "warp", "raycast"), default="auto")
     parser.add_argument("--version", choices=("v3.0", "v2.1"), default="v3.0")
     parser.add_argument("--codec", choices=("h264", "av1"), default="h264")
     parser.add_argument("--keep-failures", action="store_true", help="also write unsuccessful episodes")
-    parser.add_argument("--noise", type=float, default=0.0,
-                        help="std (metres) of noise on executed hand positions; recorded actions stay clean")
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="std (metres) of noise on executed hand positions; recorded actions stay clean",
+    )
     args = parser.parse_args(argv)
     if len(args.image_size) not in (1, 2):
         parser.error("--image-size takes one (square) or two (height width) integers")
     size = tuple(args.image_size) * (2 if len(args.image_size) == 1 else 1)
-    root = collect(args.task, args.episodes, args.out, image_size=size, seed=args.seed, batch=args.batch,
-                   renderer=args.renderer, version=args.version, codec=args.codec, keep_failures=args.keep_failures,
-                   noise=args.noise)
+    root = collect(
+        args.task,
+        args.episodes,
+        args.out,
+        image_size=size,
+        seed=args.seed,
+        batch=args.batch,
+        renderer=args.renderer,
+        version=args.version,
+        codec=args.codec,
+        keep_failures=args.keep_failures,
+        noise=args.noise,
+    )
     print(f"wrote {args.episodes} {args.task} episodes to {root}")
     return 0
 

@@ -23,9 +23,10 @@ The physics is re-run to current kinematics before rendering, so images show the
 state after the last substep.
 
 Episode bookkeeping lives in :class:`EnvState`: the step counter, the latched success
-flag and ``done`` (success, episode limit, or a diverged simulation, which counts as failure). ``step`` on a done state returns it
-unchanged, so fixed-length batched rollouts need no masking.
+flag and ``done`` (success, episode limit, or a diverged simulation, which counts as failure).
+``step`` on a done state returns it unchanged, so fixed-length batched rollouts need no masking.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,22 +77,22 @@ class EnvConfig:
 
 class Cameras:
     """Batched observations for an environment with ``config``, ``mj_model``, ``model``,
-    ``cameras``, ``robot_state(states)`` and a ``_renderers`` dict (one renderer per camera set)."""
+    ``cameras``, ``robot_state(states)`` and ``renderers`` (its ``render.RendererCache``, made
+    with ``renderer_cache(mj_model, config)``)."""
 
-    def renderer(self, cameras: tuple[str, ...] | None = None):
-        cameras = tuple(cameras or self.cameras)
-        if cameras not in self._renderers:
-            h, w = self.config.image_size
-            self._renderers[cameras] = render_lib.make_renderer(self.config.renderer, self.mj_model, cameras, h, w,
-                                                                 shadows=self.config.shadows)
-        return self._renderers[cameras]
+    renderers: render_lib.RendererCache
 
-    def _current_kinematics(self, data: mjx.Data) -> mjx.Data:
+    def renderer(self, cameras: tuple[str, ...] | None = None, kind: str | None = None):
+        """The renderer of ``cameras`` (default: all) of ``kind`` (default: ``config.renderer``), built once."""
+        return self.renderers.get(kind or self.config.renderer, tuple(cameras or self.cameras))
+
+    def current_kinematics(self, data: mjx.Data) -> mjx.Data:
+        """A batch of ``data`` with the poses cameras must show (see the module function)."""
         return current_kinematics(self.model, data, self.config.physics)
 
     def render(self, states: EnvState, cameras: tuple[str, ...] | None = None) -> dict[str, jax.Array]:
         """uint8 [B, H, W, 3] per camera for a batch of states."""
-        return self.renderer(cameras)(self._current_kinematics(states.data))
+        return self.renderer(cameras)(self.current_kinematics(states.data))
 
     def observe(self, states: EnvState) -> dict[str, Any]:
         """``{"state": float32 [B, S], "images": {camera: uint8 [B, H, W, 3]}}``."""
@@ -108,7 +109,7 @@ class Env(Cameras):
         self.config = config
         self.mj_model = self.task.model
         self.model = mjx.put_model(self.mj_model, impl=config.physics)
-        self._renderers: dict[tuple[str, ...], Any] = {}
+        self.renderers = renderer_cache(self.mj_model, config)
         self._warp_template = None
         if config.physics == "warp":
             self._make_data()
@@ -156,8 +157,9 @@ class Env(Cameras):
             # Warp's make_data allocates host-side buffers: build one concrete template, outside traces.
             if self._warp_template is None:
                 with jax.ensure_compile_time_eval():
-                    data = mjx.make_data(self.mj_model, impl="warp", naconmax=16 * self.config.warp_max_worlds,
-                                         njmax=64)
+                    data = mjx.make_data(
+                        self.mj_model, impl="warp", naconmax=16 * self.config.warp_max_worlds, njmax=64
+                    )
                     self._warp_template = jax.tree.map(np.asarray, data)
             return jax.tree.map(jnp.asarray, self._warp_template)
         return mjx.make_data(self.model)
@@ -218,6 +220,12 @@ class Env(Cameras):
         return jax.random.uniform(rng, (batch, self.action_dim), minval=low, maxval=high)
 
 
+def renderer_cache(mj_model: mujoco.MjModel, config: EnvConfig) -> render_lib.RendererCache:
+    """The renderers of an environment of ``mj_model`` rendered as ``config`` says (bounded)."""
+    height, width = config.image_size
+    return render_lib.RendererCache(mj_model, height, width, shadows=config.shadows)
+
+
 def current_kinematics(model, data: mjx.Data, physics: str) -> mjx.Data:
     """A batch of ``data`` with poses recomputed from ``qpos``: a step leaves the kinematics of
     the state before its last substep's integration, and cameras must show the state after it."""
@@ -229,6 +237,7 @@ def current_kinematics(model, data: mjx.Data, physics: str) -> mjx.Data:
 def select_tree(pred: jax.Array, old, new):
     """``old`` where ``pred`` else ``new``, leaf by leaf. Backend-private ``mjx.Data._impl``
     buffers (contacts, solver scratch; Warp's in/out FFI buffers) always come from ``new``."""
+
     def pick(o, n):
         if isinstance(o, mjx.Data):
             public = jax.tree.map(lambda a, b: jnp.where(pred, a, b), o.replace(_impl=None), n.replace(_impl=None))

@@ -23,6 +23,7 @@ Results: per-task success rate with a 95% Wilson interval, mean episode length, 
 per-step reward and mean return; mp4 videos of the first episodes (scene camera at
 every control step) and a PNG grid of frames; everything summarised in JSON.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,8 @@ import logging
 import math
 import os
 import pathlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -112,30 +114,26 @@ class Evaluator:
 
     def _pick_renderer(self, shards: int) -> str:
         """Warp's per-device buffers are shared by virtual CPU devices: use the ray-caster there."""
-        kind = self.env.config.renderer
-        if kind == "auto":
-            kind = "warp" if render_lib.warp_available() else "raycast"
+        kind = render_lib.resolve_kind(self.env.config.renderer)
         if kind == "warp" and shards > 1 and jax.devices()[0].platform == "cpu":
             if self.env.config.renderer == "warp":
                 raise ValueError("renderer='warp' cannot run sharded over several CPU devices; use 'raycast' or 'auto'")
-            log.warning("evaluating %s sharded over %d CPU devices with the ray-caster (Warp cannot shard over CPU "
-                        "devices): its images differ slightly from Warp-rendered ones, such as collected datasets",
-                        self.env.name, shards)
+            log.warning(
+                "evaluating %s sharded over %d CPU devices with the ray-caster (Warp cannot shard over CPU "
+                "devices): its images differ slightly from Warp-rendered ones, such as collected datasets",
+                self.env.name,
+                shards,
+            )
             kind = "raycast"
         return kind
 
     # --- the traced program ---------------------------------------------------------
     def _renderer(self, cameras):
-        h, w = self.env.config.image_size
-        key = (self._renderer_kind, tuple(cameras))
-        cache = self.env.__dict__.setdefault("_eval_renderers", {})
-        if key not in cache:
-            cache[key] = render_lib.make_renderer(self._renderer_kind, self.env.mj_model, tuple(cameras), h, w,
-                                                  shadows=self.env.config.shadows)
-        return cache[key]
+        # The env's own cache: evaluators of the same env (in-training evaluation) share renderers.
+        return self.env.renderer(tuple(cameras), kind=self._renderer_kind)
 
     def _images(self, states, cameras):
-        return self._renderer(cameras)(self.env._current_kinematics(states.data))
+        return self._renderer(cameras)(self.env.current_kinematics(states.data))
 
     def _local_rollout(self, reset_keys: jax.Array, policy_key: jax.Array, params) -> EvalRollout:
         """Evaluate ``reset_keys.shape[0]`` worlds (one shard)."""
@@ -154,8 +152,11 @@ class Evaluator:
 
         def replan(carry, r):
             states = carry
-            obs = {"state": env.robot_state(states), "images": self._images(states, env.cameras),
-                   "time_step": jnp.full((batch,), r * k, jnp.int32)}
+            obs = {
+                "state": env.robot_state(states),
+                "images": self._images(states, env.cameras),
+                "time_step": jnp.full((batch,), r * k, jnp.int32),
+            }
             key = jax.random.fold_in(policy_key, r)
             chunk = self.act(obs, key) if params is None else self.act(params, obs, key)
             if chunk.ndim != 3 or chunk.shape[0] != batch or chunk.shape[2] != env.action_dim or chunk.shape[1] < k:
@@ -176,8 +177,9 @@ class Evaluator:
         active = active.reshape(steps, batch)[: self.max_steps].T
         frames = frames.reshape((steps,) + frames.shape[2:])[: self.max_steps]
         frames = jnp.concatenate([frames, video_frame(final)[None]], 0).swapaxes(0, 1)
-        return EvalRollout(success=final.success, length=active.sum(1).astype(jnp.int32), reward=reward,
-                           active=active, video=frames)
+        return EvalRollout(
+            success=final.success, length=active.sum(1).astype(jnp.int32), reward=reward, active=active, video=frames
+        )
 
     def _program(self, with_params: bool):
         if with_params in self._compiled:
@@ -195,9 +197,13 @@ class Evaluator:
             # preprocessing) need every mesh axis manual, and a size-1 axis loses nothing.
             manual = {ax} | {name for name, size in mesh.shape.items() if size == 1}
             sharded = jax.shard_map(
-                self._local_rollout, mesh=mesh, in_specs=(P(ax), P(), P()),
+                self._local_rollout,
+                mesh=mesh,
+                in_specs=(P(ax), P(), P()),
                 out_specs=EvalRollout(success=P(ax), length=P(ax), reward=P(ax), active=P(ax), video=P(ax)),
-                axis_names=manual, check_vma=False)
+                axis_names=manual,
+                check_vma=False,
+            )
             return sharded(reset_keys, k_policy, params)
 
         self._compiled[with_params] = jax.jit(program)
@@ -238,17 +244,28 @@ def summarize(env: env_lib.Env, config: EvalConfig, result: EvalRollout, *, out_
         out.mkdir(parents=True, exist_ok=True)
         video = np.asarray(result.video)[: config.num_videos]
         fps = round(1.0 / env.control_dt)
-        metrics["videos"] = [str(media.write_mp4(out / f"{env.name}_episode{i}.mp4", v, fps)) for i, v in enumerate(video)]
+        metrics["videos"] = [
+            str(media.write_mp4(out / f"{env.name}_episode{i}.mp4", v, fps)) for i, v in enumerate(video)
+        ]
         if len(video):
             picks = np.linspace(0, video.shape[1] - 1, config.grid_frames).round().astype(int)
-            metrics["frame_grid"] = str(media.write_png(out / f"{env.name}_frames.png", media.frame_grid(video[:, picks])))
+            metrics["frame_grid"] = str(
+                media.write_png(out / f"{env.name}_frames.png", media.frame_grid(video[:, picks]))
+            )
         (out / f"{env.name}_results.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
 
-def evaluate_tasks(tasks: Sequence[str | env_lib.Env], act_for: Callable[[env_lib.Env], ActFn],
-             config: EvalConfig = EvalConfig(), *, env_config: env_lib.EnvConfig = env_lib.EnvConfig(),
-             mesh=None, out_dir: str | os.PathLike | None = None, params: Any = None) -> dict[str, Any]:
+def evaluate_tasks(
+    tasks: Sequence[str | env_lib.Env],
+    act_for: Callable[[env_lib.Env], ActFn],
+    config: EvalConfig = EvalConfig(),
+    *,
+    env_config: env_lib.EnvConfig = env_lib.EnvConfig(),
+    mesh=None,
+    out_dir: str | os.PathLike | None = None,
+    params: Any = None,
+) -> dict[str, Any]:
     """Evaluate on several tasks; ``act_for(env)`` builds the policy for a task (its prompt).
 
     Returns ``{"tasks": {name: metrics}, "mean_success_rate": float}`` and writes

@@ -11,9 +11,10 @@ An expert is a pure function ``expert(env, state) -> action`` of ONE world's
 :class:`~embodied_jax.sim.env.EnvState`; vmap it for a batch. It reads privileged
 poses from the simulator, which a learned policy never gets.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +49,20 @@ def reach_expert(task: tasks_lib.Reach, state) -> jax.Array:
 
 def _pick_and_carry_phases(obj_xy, dest_xy, grasp_z, lower_z):
     """Pinch goals and grips for: approach, descend, close, lift, carry, lower, release, retreat."""
+
     def at(xy, z):
         return jnp.concatenate([xy, jnp.array([z])])
 
-    goals = [at(obj_xy, APPROACH_Z), at(obj_xy, grasp_z), at(obj_xy, grasp_z), at(obj_xy, CARRY_Z),
-             at(dest_xy, CARRY_Z), at(dest_xy, lower_z), at(dest_xy, lower_z), at(dest_xy, CARRY_Z)]
+    goals = [
+        at(obj_xy, APPROACH_Z),
+        at(obj_xy, grasp_z),
+        at(obj_xy, grasp_z),
+        at(obj_xy, CARRY_Z),
+        at(dest_xy, CARRY_Z),
+        at(dest_xy, lower_z),
+        at(dest_xy, lower_z),
+        at(dest_xy, CARRY_Z),
+    ]
     grips = [OPEN, OPEN, CLOSED, CLOSED, CLOSED, CLOSED, OPEN, OPEN]
     return goals, [jnp.asarray(g) for g in grips]
 
@@ -87,22 +97,47 @@ def handover_expert(task: tasks_lib.Handover, state) -> jax.Array:
 
     exchange_xy = jnp.zeros(2)  # bar centre during the exchange
     left_home = jnp.array([-0.15, -0.05, 0.2])
-    left_goals = [at(bar[:2] - off, APPROACH_Z), at(bar[:2] - off, half_z), at(bar[:2] - off, half_z),
-                  at(bar[:2] - off, CARRY_Z), at(exchange_xy - off, CARRY_Z), at(exchange_xy - off, CARRY_Z),
-                  at(exchange_xy - off, CARRY_Z), left_home]
+    left_goals = [
+        at(bar[:2] - off, APPROACH_Z),
+        at(bar[:2] - off, half_z),
+        at(bar[:2] - off, half_z),
+        at(bar[:2] - off, CARRY_Z),
+        at(exchange_xy - off, CARRY_Z),
+        at(exchange_xy - off, CARRY_Z),
+        at(exchange_xy - off, CARRY_Z),
+        left_home,
+    ]
     left_grips = [OPEN, OPEN, CLOSED, CLOSED, CLOSED, CLOSED, OPEN, OPEN]
 
     right_home = jnp.array([0.15, -0.05, 0.18])
-    right_goals = [right_home, at(exchange_xy + off, 0.18), at(bar[:2] + off, bar[2]), at(bar[:2] + off, bar[2]),
-                   at(bar[:2] + off, bar[2]), at(bar[:2] + off, CARRY_Z + 0.02),
-                   at(info["goal"][:2] + off, CARRY_Z + 0.02), at(info["goal"][:2] + off, half_z + 0.005),
-                   at(info["goal"][:2] + off, half_z + 0.005), at(info["goal"][:2] + off, CARRY_Z)]
+    right_goals = [
+        right_home,
+        at(exchange_xy + off, 0.18),
+        at(bar[:2] + off, bar[2]),
+        at(bar[:2] + off, bar[2]),
+        at(bar[:2] + off, bar[2]),
+        at(bar[:2] + off, CARRY_Z + 0.02),
+        at(info["goal"][:2] + off, CARRY_Z + 0.02),
+        at(info["goal"][:2] + off, half_z + 0.005),
+        at(info["goal"][:2] + off, half_z + 0.005),
+        at(info["goal"][:2] + off, CARRY_Z),
+    ]
     right_grips = [OPEN, OPEN, OPEN, CLOSED, CLOSED, CLOSED, CLOSED, CLOSED, OPEN, OPEN]
 
-    left = _arm_command(task, data, 0, _schedule(state.step, HANDOVER_LEFT_ENDS, left_goals),
-                        _schedule(state.step, HANDOVER_LEFT_ENDS, [jnp.asarray(g) for g in left_grips]))
-    right = _arm_command(task, data, 1, _schedule(state.step, HANDOVER_RIGHT_ENDS, right_goals),
-                         _schedule(state.step, HANDOVER_RIGHT_ENDS, [jnp.asarray(g) for g in right_grips]))
+    left = _arm_command(
+        task,
+        data,
+        0,
+        _schedule(state.step, HANDOVER_LEFT_ENDS, left_goals),
+        _schedule(state.step, HANDOVER_LEFT_ENDS, [jnp.asarray(g) for g in left_grips]),
+    )
+    right = _arm_command(
+        task,
+        data,
+        1,
+        _schedule(state.step, HANDOVER_RIGHT_ENDS, right_goals),
+        _schedule(state.step, HANDOVER_RIGHT_ENDS, [jnp.asarray(g) for g in right_grips]),
+    )
     return jnp.concatenate([left, right])
 
 

@@ -1,4 +1,5 @@
 """Writing rollout frames to disk: H.264 mp4 videos (PyAV) and PNG frame grids (Pillow)."""
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,7 @@ def frame_grid(frames: np.ndarray) -> np.ndarray:
     grid = np.full((rows * (h + gap) - gap, cols * (w + gap) - gap, c), 255, np.uint8)
     for r in range(rows):
         for k in range(cols):
-            grid[r * (h + gap): r * (h + gap) + h, k * (w + gap): k * (w + gap) + w] = frames[r, k]
+            grid[r * (h + gap) : r * (h + gap) + h, k * (w + gap) : k * (w + gap) + w] = frames[r, k]
     return grid
 
 

@@ -13,12 +13,14 @@ are mesh-heavy, and the JAX backend compiles and steps them far too slowly on CP
 (see ``shared/NOTES.md``). Images come from the Warp batch renderer; the ray-caster
 draws primitive geoms only.
 """
+
 from __future__ import annotations
 
 import importlib.util
 import os
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,13 +83,21 @@ class PlaygroundEnv(env_lib.Cameras):
     ``step`` returns a done world unchanged.
     """
 
-    def __init__(self, name: str, *, instruction: str | None = None, episode_limit: int | None = None,
-                 config: env_lib.EnvConfig = env_lib.EnvConfig(physics="warp", renderer="warp"),
-                 cameras: tuple[str, ...] | None = None, config_overrides: dict | None = None,
-                 success_fn: Callable[[Any], jax.Array] | None = None,
-                 state_fn: Callable[[Any], jax.Array] | None = None, menagerie_dir=None):
+    def __init__(
+        self,
+        name: str,
+        *,
+        instruction: str | None = None,
+        episode_limit: int | None = None,
+        config: env_lib.EnvConfig = env_lib.EnvConfig(physics="warp", renderer="warp"),
+        cameras: tuple[str, ...] | None = None,
+        config_overrides: dict | None = None,
+        success_fn: Callable[[Any], jax.Array] | None = None,
+        state_fn: Callable[[Any], jax.Array] | None = None,
+        menagerie_dir=None,
+    ):
         ensure_assets(menagerie_dir)
-        from mujoco_playground import registry  # noqa: PLC0415 - optional dependency
+        from mujoco_playground import registry  # optional dependency
 
         manipulation = set(registry.manipulation.ALL_ENVS)
         if name not in manipulation:
@@ -95,8 +105,10 @@ class PlaygroundEnv(env_lib.Cameras):
         overrides = dict(config_overrides or {})
         overrides.setdefault("impl", config.physics)
         if overrides["impl"] != config.physics:
-            raise ValueError(f"config_overrides impl={overrides['impl']!r} contradicts EnvConfig.physics="
-                             f"{config.physics!r}; set the backend through EnvConfig")
+            raise ValueError(
+                f"config_overrides impl={overrides['impl']!r} contradicts EnvConfig.physics="
+                f"{config.physics!r}; set the backend through EnvConfig"
+            )
         self._pg = registry.load(name, config_overrides=overrides)
         self.name = name
         self.instruction = instruction or name
@@ -111,14 +123,19 @@ class PlaygroundEnv(env_lib.Cameras):
         self.control_dt = float(self._pg.dt)
         self._success_fn = success_fn or (lambda s: s.metrics.get("success", jnp.zeros(())) > 0)
         self._state_fn = state_fn or (lambda s: s.obs["state"] if isinstance(s.obs, dict) else s.obs)
-        self._renderers: dict[tuple[str, ...], Any] = {}
+        self.renderers = env_lib.renderer_cache(self.mj_model, config)
         self.renderer()  # fail now on a model the chosen renderer cannot draw
 
     def reset(self, rng: jax.Array) -> env_lib.EnvState:
         pg = self._pg.reset(rng)
-        return env_lib.EnvState(data=pg.data, info={"playground": pg}, step=jnp.zeros((), jnp.int32),
-                                reward=jnp.zeros((), jnp.float32), success=self._succeeded(pg),
-                                done=jnp.zeros((), bool))
+        return env_lib.EnvState(
+            data=pg.data,
+            info={"playground": pg},
+            step=jnp.zeros((), jnp.int32),
+            reward=jnp.zeros((), jnp.float32),
+            success=self._succeeded(pg),
+            done=jnp.zeros((), bool),
+        )
 
     def step(self, state: env_lib.EnvState, action: jax.Array) -> env_lib.EnvState:
         action = jnp.asarray(action, jnp.float32)
@@ -131,10 +148,14 @@ class PlaygroundEnv(env_lib.Cameras):
         pg = env_lib.select_tree(diverged, old, pg)
         success = state.success | (self._succeeded(pg) & ~diverged)
         step = state.step + 1
-        new = env_lib.EnvState(data=pg.data, info={"playground": pg}, step=step,
-                               reward=jnp.where(diverged, 0.0, jnp.asarray(pg.reward, jnp.float32)),
-                               success=success,
-                               done=success | diverged | (pg.done > 0) | (step >= self.episode_limit))
+        new = env_lib.EnvState(
+            data=pg.data,
+            info={"playground": pg},
+            step=step,
+            reward=jnp.where(diverged, 0.0, jnp.asarray(pg.reward, jnp.float32)),
+            success=success,
+            done=success | diverged | (pg.done > 0) | (step >= self.episode_limit),
+        )
         return env_lib.select_tree(state.done, state, new)
 
     def _succeeded(self, pg) -> jax.Array:

@@ -10,6 +10,7 @@ towards the light tests every non-plane geom. Cameras use the model's ``cam_fovy
 
 Everything is ``jit``/``vmap``-able and runs one world at a time; the caller vmaps it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,9 +62,9 @@ def build_scene(model: mujoco.MjModel, cameras: tuple[str, ...]) -> RaycastScene
             f"the JAX ray-caster draws only plane/sphere/box geoms; unsupported visible geoms: {unsupported}. "
             "Install mujoco-mjx[warp] to render this model with the Warp batch renderer."
         )
-    colors = np.stack([
-        (model.mat_rgba[model.geom_matid[g]] if model.geom_matid[g] >= 0 else model.geom_rgba[g])[:3] for g in ids
-    ]).astype(np.float32)
+    colors = np.stack(
+        [(model.mat_rgba[model.geom_matid[g]] if model.geom_matid[g] >= 0 else model.geom_rgba[g])[:3] for g in ids]
+    ).astype(np.float32)
     cam_ids = tuple(int(model.camera(c).id) for c in cameras)
     dir_lights = [i for i in range(model.nlight) if model.light_type[i] == mujoco.mjtLightType.mjLIGHT_DIRECTIONAL]
     if dir_lights:
@@ -120,7 +121,8 @@ def _hit_plane(o, d, size):
     t = -o[:, 2] / jnp.where(jnp.abs(d[:, 2]) < 1e-9, -1e-9, d[:, 2])
     p = o + t[:, None] * d
     inside = jnp.where(size[0] > 0, jnp.abs(p[:, 0]) <= size[0], True) & jnp.where(
-        size[1] > 0, jnp.abs(p[:, 1]) <= size[1], True)
+        size[1] > 0, jnp.abs(p[:, 1]) <= size[1], True
+    )
     ok = (d[:, 2] < 0) & (t > 0) & inside
     normal = jnp.broadcast_to(jnp.array([0.0, 0.0, 1.0]), o.shape)
     return jnp.where(ok, t, _FAR), normal
@@ -136,8 +138,11 @@ def _nearest_hit(scene: RaycastScene, origin, rays, geom_xpos, geom_xmat, *, inc
     the same size however many geoms a scene has.
     """
     origin = jnp.broadcast_to(origin, rays.shape)
-    best = (jnp.full(rays.shape[:1], _FAR), jnp.zeros_like(rays),
-            jnp.broadcast_to(jnp.asarray(BACKGROUND, jnp.float32), rays.shape))
+    best = (
+        jnp.full(rays.shape[:1], _FAR),
+        jnp.zeros_like(rays),
+        jnp.broadcast_to(jnp.asarray(BACKGROUND, jnp.float32), rays.shape),
+    )
     for kind, hit in _HIT.items():
         members = [i for i, k in enumerate(scene.geom_types) if k == kind]
         if not members or (kind == "plane" and not include_planes):
@@ -150,8 +155,11 @@ def _nearest_hit(scene: RaycastScene, origin, rays, geom_xpos, geom_xmat, *, inc
             t, n_local = hit((origin - pos) @ rot, rays @ rot, size)
             best_t, best_n, best_c = best
             closer = t < best_t
-            return (jnp.where(closer, t, best_t), jnp.where(closer[:, None], n_local @ rot.T, best_n),
-                    jnp.where(closer[:, None], color, best_c)), None
+            return (
+                jnp.where(closer, t, best_t),
+                jnp.where(closer[:, None], n_local @ rot.T, best_n),
+                jnp.where(closer[:, None], color, best_c),
+            ), None
 
         best, _ = jax.lax.scan(nearer, best, geoms)
     return best
@@ -162,16 +170,27 @@ def camera_rays(scene: RaycastScene, height: int, width: int) -> np.ndarray:
     return np.stack([_camera_rays(float(f), height, width) for f in scene.fovy])
 
 
-def render_cameras(scene: RaycastScene, rays, geom_xpos, geom_xmat, cam_xpos, cam_xmat, height: int, width: int, *,
-                   shadows: bool = True) -> jax.Array:
+def render_cameras(
+    scene: RaycastScene,
+    rays,
+    geom_xpos,
+    geom_xmat,
+    cam_xpos,
+    cam_xmat,
+    height: int,
+    width: int,
+    *,
+    shadows: bool = True,
+) -> jax.Array:
     """RGB float32 [C, H, W, 3] in [0, 1] of every camera of ``scene`` in one world.
 
     ``rays``: :func:`camera_rays` of the scene. The cameras are vmapped: one compiled
     camera whatever their number.
     """
     cams = np.asarray(scene.camera_ids)
-    return jax.vmap(lambda r, pos, mat: _shade(scene, r @ mat.T, pos, geom_xpos, geom_xmat, height, width,
-                                               shadows=shadows))(jnp.asarray(rays), cam_xpos[cams], cam_xmat[cams])
+    return jax.vmap(
+        lambda r, pos, mat: _shade(scene, r @ mat.T, pos, geom_xpos, geom_xmat, height, width, shadows=shadows)
+    )(jnp.asarray(rays), cam_xpos[cams], cam_xmat[cams])
 
 
 def _shade(scene: RaycastScene, rays, origin, geom_xpos, geom_xmat, height: int, width: int, *, shadows: bool):
@@ -183,8 +202,9 @@ def _shade(scene: RaycastScene, rays, origin, geom_xpos, geom_xmat, height: int,
     if shadows:
         # Planes only receive shadows (a ground plane cannot occlude anything above it).
         points = origin + jnp.minimum(best_t, 1e3)[:, None] * rays + 1e-4 * best_n
-        blocker_t, _, _ = _nearest_hit(scene, points, jnp.broadcast_to(-light_dir, rays.shape), geom_xpos, geom_xmat,
-                                       include_planes=False)
+        blocker_t, _, _ = _nearest_hit(
+            scene, points, jnp.broadcast_to(-light_dir, rays.shape), geom_xpos, geom_xmat, include_planes=False
+        )
         sun = jnp.where((blocker_t < _FAR)[:, None], 0.0, sun)
     shade = ambient + head_diffuse * facing_camera + jnp.asarray(scene.light_diffuse) * sun
     lit = jnp.clip(best_c * shade, 0.0, 1.0)

@@ -8,10 +8,11 @@ A *step policy* here is ``policy(states, t, rng) -> actions [B, A]`` over a batc
 The trajectory records, per control step ``t``, the observation *before* the action
 (LeRobot's convention: frame t = (observation_t, action_t)).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +55,15 @@ def mixed_policy(first: StepPolicy, second: StepPolicy, use_second: np.ndarray) 
     return lambda states, t, rng: jnp.where(mask, second(states, t, rng), first(states, t, rng))
 
 
-def make_rollout(env: env_lib.Env, policy: StepPolicy, batch: int, *, steps: int | None = None,
-                 render: bool = False, execution_noise: float = 0.0) -> Callable[[jax.Array], Trajectory]:
+def make_rollout(
+    env: env_lib.Env,
+    policy: StepPolicy,
+    batch: int,
+    *,
+    steps: int | None = None,
+    render: bool = False,
+    execution_noise: float = 0.0,
+) -> Callable[[jax.Array], Trajectory]:
     """A jitted ``rollout(rng) -> Trajectory`` of ``batch`` episodes for ``steps`` control steps.
 
     ``execution_noise`` (metres, std): Gaussian noise added to the commanded hand positions
@@ -83,9 +91,16 @@ def make_rollout(env: env_lib.Env, policy: StepPolicy, batch: int, *, steps: int
             else:
                 actions = executed = policy(states, t, key)
             nxt = env_lib.batch_step(env, states, executed)
-            record = dict(state=env.robot_state(states), action=actions, qpos=states.data.qpos,
-                          reward=nxt.reward, success=nxt.success, done=nxt.done, active=~states.done,
-                          images=obs_images)
+            record = dict(
+                state=env.robot_state(states),
+                action=actions,
+                qpos=states.data.qpos,
+                reward=nxt.reward,
+                success=nxt.success,
+                done=nxt.done,
+                active=~states.done,
+                images=obs_images,
+            )
             return nxt, record
 
         keys = jax.random.split(k_policy, steps)

@@ -12,6 +12,7 @@ object-floor and object-finger. Arm links, targets and goal markers are visual o
 Every scene has a ``scene`` camera (fixed, looking at the table from the front) and a
 ``wrist`` camera per arm (``wrist`` for one arm, ``wrist_left``/``wrist_right`` for two).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,30 +77,40 @@ def _arm_xml(arm: ArmSpec, wrist_camera: str) -> str:
     <body name="{p}carriage_x" pos="0 0 0" gravcomp="1">
       <inertial pos="0 0 0" mass="0.3" diaginertia="1e-3 1e-3 1e-3"/>
       <joint name="{p}x" type="slide" axis="1 0 0" range="{arm.x_range[0]} {arm.x_range[1]}" damping="40"/>
-      <geom name="{p}rail" type="box" pos="0 {arm.column_y} 0.42" size="0.02 0.3 0.015" rgba="{arm.color}" contype="0" conaffinity="0"/>
+      <geom name="{p}rail" type="box" pos="0 {arm.column_y} 0.42" size="0.02 0.3 0.015" rgba="{arm.color}"
+          contype="0" conaffinity="0"/>
       <body name="{p}carriage_y" gravcomp="1">
         <inertial pos="0 0 0" mass="0.2" diaginertia="1e-3 1e-3 1e-3"/>
         <joint name="{p}y" type="slide" axis="0 1 0" range="{arm.y_range[0]} {arm.y_range[1]}" damping="35"/>
         <body name="{p}hand" gravcomp="1">
           <inertial pos="0 0 0" mass="0.2" diaginertia="1e-3 1e-3 1e-3"/>
           <joint name="{p}z" type="slide" axis="0 0 1" range="{arm.z_range[0]} {arm.z_range[1]}" damping="30"/>
-          <geom name="{p}palm" type="box" pos="0 0 0.035" size="0.02 0.055 0.012" rgba="{arm.color}" contype="0" conaffinity="0"/>
-          <geom name="{p}column" type="box" pos="0 0 0.2" size="0.012 0.012 0.16" rgba="{arm.color}" contype="0" conaffinity="0"/>
+          <geom name="{p}palm" type="box" pos="0 0 0.035" size="0.02 0.055 0.012" rgba="{arm.color}" contype="0"
+              conaffinity="0"/>
+          <geom name="{p}column" type="box" pos="0 0 0.2" size="0.012 0.012 0.16" rgba="{arm.color}" contype="0"
+              conaffinity="0"/>
           <site name="{p}pinch" pos="0 0 0" size="0.005"/>
-          <camera name="{wrist_camera}" pos="{_vec(WRIST_CAMERA['pos'])}" xyaxes="{_camera_axes(WRIST_CAMERA['pos'], WRIST_CAMERA['look_at'])}" fovy="{WRIST_CAMERA['fovy']}"/>
+          <camera name="{wrist_camera}" pos="{_vec(WRIST_CAMERA["pos"])}"
+              xyaxes="{_camera_axes(WRIST_CAMERA["pos"], WRIST_CAMERA["look_at"])}" fovy="{WRIST_CAMERA["fovy"]}"/>
           <body name="{p}finger_a" gravcomp="1">
             <inertial pos="0 0 0" mass="0.1" diaginertia="1e-4 1e-4 1e-4"/>
             <joint name="{p}finger_a" type="slide" axis="0 1 0" range="0 {FINGER_OPEN}" damping="2"/>
-            <geom name="{p}finger_a" type="box" size="{fx} {fy} {fz}" rgba="{arm.finger_color}" contype="0" conaffinity="0"/>
-            <geom name="{p}finger_a_pad0" type="sphere" pos="{-pad_x} 0 {-pad_z}" size="{fy}" group="3" contype="0" conaffinity="1" friction="1.2 0.01 0.001"/>
-            <geom name="{p}finger_a_pad1" type="sphere" pos="{pad_x} 0 {-pad_z}" size="{fy}" group="3" contype="0" conaffinity="1" friction="1.2 0.01 0.001"/>
+            <geom name="{p}finger_a" type="box" size="{fx} {fy} {fz}" rgba="{arm.finger_color}" contype="0"
+                conaffinity="0"/>
+            <geom name="{p}finger_a_pad0" type="sphere" pos="{-pad_x} 0 {-pad_z}" size="{fy}" group="3" contype="0"
+                conaffinity="1" friction="1.2 0.01 0.001"/>
+            <geom name="{p}finger_a_pad1" type="sphere" pos="{pad_x} 0 {-pad_z}" size="{fy}" group="3" contype="0"
+                conaffinity="1" friction="1.2 0.01 0.001"/>
           </body>
           <body name="{p}finger_b" gravcomp="1">
             <inertial pos="0 0 0" mass="0.1" diaginertia="1e-4 1e-4 1e-4"/>
             <joint name="{p}finger_b" type="slide" axis="0 -1 0" range="0 {FINGER_OPEN}" damping="2"/>
-            <geom name="{p}finger_b" type="box" size="{fx} {fy} {fz}" rgba="{arm.finger_color}" contype="0" conaffinity="0"/>
-            <geom name="{p}finger_b_pad0" type="sphere" pos="{-pad_x} 0 {-pad_z}" size="{fy}" group="3" contype="0" conaffinity="1" friction="1.2 0.01 0.001"/>
-            <geom name="{p}finger_b_pad1" type="sphere" pos="{pad_x} 0 {-pad_z}" size="{fy}" group="3" contype="0" conaffinity="1" friction="1.2 0.01 0.001"/>
+            <geom name="{p}finger_b" type="box" size="{fx} {fy} {fz}" rgba="{arm.finger_color}" contype="0"
+                conaffinity="0"/>
+            <geom name="{p}finger_b_pad0" type="sphere" pos="{-pad_x} 0 {-pad_z}" size="{fy}" group="3" contype="0"
+                conaffinity="1" friction="1.2 0.01 0.001"/>
+            <geom name="{p}finger_b_pad1" type="sphere" pos="{pad_x} 0 {-pad_z}" size="{fy}" group="3" contype="0"
+                conaffinity="1" friction="1.2 0.01 0.001"/>
           </body>
         </body>
       </body>
@@ -109,11 +120,16 @@ def _arm_xml(arm: ArmSpec, wrist_camera: str) -> str:
 def _arm_actuators(arm: ArmSpec) -> str:
     p = arm.prefix
     return f"""
-    <position name="{p}x" joint="{p}x" kp="800" forcerange="-{ARM_FORCE} {ARM_FORCE}" ctrlrange="{arm.x_range[0]} {arm.x_range[1]}"/>
-    <position name="{p}y" joint="{p}y" kp="800" forcerange="-{ARM_FORCE} {ARM_FORCE}" ctrlrange="{arm.y_range[0]} {arm.y_range[1]}"/>
-    <position name="{p}z" joint="{p}z" kp="800" forcerange="-{ARM_FORCE} {ARM_FORCE}" ctrlrange="{arm.z_range[0]} {arm.z_range[1]}"/>
-    <position name="{p}finger_a" joint="{p}finger_a" kp="300" forcerange="-{FINGER_FORCE} {FINGER_FORCE}" ctrlrange="0 {FINGER_OPEN}"/>
-    <position name="{p}finger_b" joint="{p}finger_b" kp="300" forcerange="-{FINGER_FORCE} {FINGER_FORCE}" ctrlrange="0 {FINGER_OPEN}"/>"""
+    <position name="{p}x" joint="{p}x" kp="800" forcerange="-{ARM_FORCE} {ARM_FORCE}"
+        ctrlrange="{arm.x_range[0]} {arm.x_range[1]}"/>
+    <position name="{p}y" joint="{p}y" kp="800" forcerange="-{ARM_FORCE} {ARM_FORCE}"
+        ctrlrange="{arm.y_range[0]} {arm.y_range[1]}"/>
+    <position name="{p}z" joint="{p}z" kp="800" forcerange="-{ARM_FORCE} {ARM_FORCE}"
+        ctrlrange="{arm.z_range[0]} {arm.z_range[1]}"/>
+    <position name="{p}finger_a" joint="{p}finger_a" kp="300" forcerange="-{FINGER_FORCE} {FINGER_FORCE}"
+        ctrlrange="0 {FINGER_OPEN}"/>
+    <position name="{p}finger_b" joint="{p}finger_b" kp="300" forcerange="-{FINGER_FORCE} {FINGER_FORCE}"
+        ctrlrange="0 {FINGER_OPEN}"/>"""
 
 
 def scene_xml(arms: tuple[ArmSpec, ...], objects: str, *, wrist_names: tuple[str, ...]) -> str:
@@ -121,7 +137,7 @@ def scene_xml(arms: tuple[ArmSpec, ...], objects: str, *, wrist_names: tuple[str
     if len(arms) != len(wrist_names):
         raise ValueError(f"wrist_names must name one camera per arm, got {wrist_names} for {len(arms)} arms")
     scene_cam = _camera_axes(SCENE_CAMERA["pos"], SCENE_CAMERA["look_at"])
-    arm_bodies = "".join(_arm_xml(a, w) for a, w in zip(arms, wrist_names))
+    arm_bodies = "".join(_arm_xml(a, w) for a, w in zip(arms, wrist_names, strict=True))
     actuators = "".join(_arm_actuators(a) for a in arms)
     return f"""<mujoco model="embodied_jax_scene">
   <compiler angle="radian" autolimits="true"/>
@@ -133,7 +149,7 @@ def scene_xml(arms: tuple[ArmSpec, ...], objects: str, *, wrist_names: tuple[str
   <worldbody>
     <light name="sun" pos="0 -0.3 1.2" dir="0 0.25 -1" directional="true" diffuse="0.6 0.6 0.6"/>
     <geom name="table" type="plane" size="0.6 0.6 0.02" material="table" contype="2" conaffinity="0"/>
-    <camera name="scene" pos="{_vec(SCENE_CAMERA['pos'])}" xyaxes="{scene_cam}" fovy="{SCENE_CAMERA['fovy']}"/>
+    <camera name="scene" pos="{_vec(SCENE_CAMERA["pos"])}" xyaxes="{scene_cam}" fovy="{SCENE_CAMERA["fovy"]}"/>
     {arm_bodies}
     {objects}
   </worldbody>
@@ -164,5 +180,6 @@ def block_xml(name: str = "cube", half=(0.02, 0.02, 0.02), rgba: str = "0.15 0.3
     return f"""
     <body name="{name}" pos="0 0 {hz}">
       <freejoint name="{name}"/>
-      <geom name="{name}" type="box" size="{hx} {hy} {hz}" mass="{mass}" rgba="{rgba}" contype="1" conaffinity="2" friction="1.2 0.01 0.001"/>
+      <geom name="{name}" type="box" size="{hx} {hy} {hz}" mass="{mass}" rgba="{rgba}" contype="1" conaffinity="2"
+          friction="1.2 0.01 0.001"/>
     </body>"""

@@ -12,11 +12,12 @@ and goal poses are never in the state: a policy sees them only in the images.
 Reward per step is in [0, 1]: 1 on success, otherwise a shaped distance term.
 Success is latched by the environment; an episode ends on success or at its limit.
 """
+
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,8 @@ class Task(abc.ABC):
         self._bind_objects(model)
 
     def _bind_objects(self, model: mujoco.MjModel) -> None:
-        """Subclasses look up their object addresses here."""
+        """Subclasses look up their object addresses here (a task without objects has none)."""
+        return None
 
     @property
     def layouts(self) -> tuple[ArmLayout, ...]:
@@ -117,7 +119,7 @@ class Task(abc.ABC):
         action = jnp.clip(action, low, high)
         ctrl = data.ctrl
         for i, lay in enumerate(self.layouts):
-            a = action[4 * i: 4 * i + 4]
+            a = action[4 * i : 4 * i + 4]
             opening = a[3] * scenes.FINGER_OPEN
             ctrl = ctrl.at[jnp.array(lay.ctrl)].set(jnp.stack([a[0], a[1], a[2], opening, opening]))
         return data.replace(ctrl=ctrl)
@@ -165,7 +167,7 @@ def _closeness(distance: jax.Array) -> jax.Array:
 
 
 def _set_free_body(data, qpos_adr: int, pos: jax.Array):
-    q = data.qpos.at[qpos_adr: qpos_adr + 3].set(pos).at[qpos_adr + 3: qpos_adr + 7].set(jnp.array([1.0, 0, 0, 0]))
+    q = data.qpos.at[qpos_adr : qpos_adr + 3].set(pos).at[qpos_adr + 3 : qpos_adr + 7].set(jnp.array([1.0, 0, 0, 0]))
     return data.replace(qpos=q)
 
 
@@ -213,8 +215,9 @@ class Reach(Task):
     def randomize(self, rng, data):
         k_arm, k_target = jax.random.split(rng)
         data = self._home(k_arm, data, 0, HOME)
-        target = jax.random.uniform(k_target, (3,), minval=jnp.array([-0.2, -0.2, 0.05]),
-                                    maxval=jnp.array([0.2, 0.2, 0.22]))
+        target = jax.random.uniform(
+            k_target, (3,), minval=jnp.array([-0.2, -0.2, 0.05]), maxval=jnp.array([0.2, 0.2, 0.22])
+        )
         return _set_mocap(data, self._target, target), {"target": target}
 
     def success(self, data, info):
@@ -244,7 +247,7 @@ class PickPlace(Task):
         self._cube = int(model.joint("cube").qposadr[0])
 
     def object_pos(self, data):
-        return data.qpos[self._cube: self._cube + 3]
+        return data.qpos[self._cube : self._cube + 3]
 
     def randomize(self, rng, data):
         k_arm, k_xy = jax.random.split(rng)
@@ -272,8 +275,9 @@ class PickPlace(Task):
 BAR_HALF = (0.06, 0.02, 0.02)
 HANDOVER_GRIP_OFFSET = 0.028  # each hand grips the bar this far from its centre
 LEFT_ARM = scenes.ArmSpec("left_", x_range=(-0.25, 0.03), color="0.45 0.5 0.65 1", column_y=0.0)
-RIGHT_ARM = scenes.ArmSpec("right_", x_range=(-0.03, 0.25), color="0.65 0.48 0.45 1",
-                           finger_color="0.9 0.85 0.2 1", column_y=0.0)
+RIGHT_ARM = scenes.ArmSpec(
+    "right_", x_range=(-0.03, 0.25), color="0.65 0.48 0.45 1", finger_color="0.9 0.85 0.2 1", column_y=0.0
+)
 
 
 class Handover(Task):
@@ -292,7 +296,7 @@ class Handover(Task):
         self._bar = int(model.joint("bar").qposadr[0])
 
     def object_pos(self, data):
-        return data.qpos[self._bar: self._bar + 3]
+        return data.qpos[self._bar : self._bar + 3]
 
     def randomize(self, rng, data):
         k_left, k_right, k_bar, k_goal = jax.random.split(rng, 4)

@@ -7,6 +7,7 @@ renames it when complete, so a save killed half-way leaves the previous step int
 Restoring goes through abstract target shardings, so a run saved on one mesh resumes
 on another.
 """
+
 from __future__ import annotations
 
 import base64
@@ -34,13 +35,13 @@ class IteratorStateHandler(ocp.CheckpointHandler):
     the same state on every process and restores under any number of processes.
     """
 
-    def save(self, directory: epath.Path, args: "IteratorSave") -> None:
+    def save(self, directory: epath.Path, args: IteratorSave) -> None:
         state = args.iterator.get_state()
         if isinstance(state, bytes):
             state = {"__bytes__": base64.b64encode(state).decode()}
         (directory / _state_file(jax.process_index(), jax.process_count())).write_text(json.dumps(state))
 
-    def restore(self, directory: epath.Path, args: "IteratorRestore") -> Any:
+    def restore(self, directory: epath.Path, args: IteratorRestore) -> Any:
         path = directory / _state_file(jax.process_index(), jax.process_count())
         if path.exists():
             state = json.loads(path.read_text())
@@ -48,7 +49,7 @@ class IteratorStateHandler(ocp.CheckpointHandler):
             written = sorted(p.name for p in directory.glob("process_*-of-*.json"))
             if not written:
                 raise FileNotFoundError(f"{directory}: the checkpoint holds no data-iterator state")
-            if not getattr(args.iterator, "layout_independent_state", False):
+            if not args.iterator.layout_independent_state:
                 counts = sorted({n.rsplit("-of-", 1)[1].removesuffix(".json") for n in written})
                 raise FileNotFoundError(
                     f"{path}: no data-iterator state for this process; the checkpoint was written by "
@@ -57,8 +58,10 @@ class IteratorStateHandler(ocp.CheckpointHandler):
                 )
             states = [json.loads((directory / n).read_text()) for n in written]
             if any(s != states[0] for s in states):
-                raise ValueError(f"{directory}: the processes saved different iterator states, "
-                                 f"which a layout-independent iterator never does: {dict(zip(written, states))}")
+                raise ValueError(
+                    f"{directory}: the processes saved different iterator states, "
+                    f"which a layout-independent iterator never does: {dict(zip(written, states, strict=True))}"
+                )
             state = states[0]
         if isinstance(state, dict) and set(state) == {"__bytes__"}:
             state = base64.b64decode(state["__bytes__"])
@@ -108,7 +111,8 @@ def _single_process_array_writes() -> None:
     hosts, which only pays off with several processes."""
     if jax.process_count() == 1:
         ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+        )
 
 
 class Checkpointer:
@@ -139,8 +143,16 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, state: TrainState, *, iterator: Any = None, norm_stats: dict | None = None,
-             config: dict | None = None, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        iterator: Any = None,
+        norm_stats: dict | None = None,
+        config: dict | None = None,
+        force: bool = False,
+    ) -> bool:
         items = {"state": ocp.args.StandardSave(_state_dict(state))}
         if iterator is not None:
             items["data"] = IteratorSave(iterator)
@@ -149,8 +161,9 @@ class Checkpointer:
             items["config"] = ocp.args.JsonSave(config)
         return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
-    def restore(self, abstract_state: TrainState, shardings: TrainState, *, step: int | None = None,
-                iterator: Any = None) -> tuple[TrainState, dict]:
+    def restore(
+        self, abstract_state: TrainState, shardings: TrainState, *, step: int | None = None, iterator: Any = None
+    ) -> tuple[TrainState, dict]:
         """Restore onto the shardings given (any mesh); returns (state, norm_stats)."""
         step = self.latest_step() if step is None else step
         if step is None:

@@ -1,13 +1,27 @@
-"""Frozen dataclass configs of a training run (overridable from the CLI with tyro)."""
+"""Frozen dataclass configs of a training run (overridable from the CLI with tyro).
+
+``ExperimentConfig`` holds the run: a model (``policy.PolicyConfig``), a data source
+(``data.sources.DataSource``), an optional in-training ``Evaluation`` and the trainer's
+own settings. Its ``run()`` is what ``python -m experiments.launch`` calls; experiments with
+steps around training (the demo) override it. Every class here is a registered config
+(``config_registry``): checkpoints save the run's config and ``load_policy`` rebuilds it.
+"""
+
 from __future__ import annotations
 
+import abc
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from embodied_jax.config_registry import register
+from embodied_jax.data.iterator import BatchIterator
+from embodied_jax.data.sources import DataSource
 from embodied_jax.parallel.distributed import DistributedConfig
 from embodied_jax.parallel.mesh import MeshConfig
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     lr: float = 1e-4
@@ -28,6 +42,7 @@ class OptimizerConfig:
     frozen_dtype: str | None = None
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
@@ -40,6 +55,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: no in-training evaluation
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     enabled: bool = True
@@ -50,6 +66,7 @@ class CheckpointConfig:
     async_save: bool = True
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
     progress_bar: bool = True
@@ -58,19 +75,38 @@ class MetricsConfig:
     wandb_project: str = "embodied_jax"
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class SyntheticData:
+class SyntheticData(DataSource):
     """Batches from the model config's ``synthetic_batch``: a deterministic function of the step."""
 
-    def make_iterator(self, *, model: Any, process_index: int, process_count: int, batch_size: int, seed: int):
+    def make_iterator(
+        self, *, model: Any, process_index: int, process_count: int, batch_size: int, seed: int
+    ) -> BatchIterator:
         from embodied_jax.train.synthetic import SyntheticIterator
 
         return SyntheticIterator(model, process_index, process_count, batch_size, seed)
 
 
+# Scores the live model at a training step: ``run(model, step) -> {name: value}``.
+EvaluationRun = Callable[[Any, int], Mapping[str, float]]
+
+
+class Evaluation(abc.ABC):
+    """Base of ``ExperimentConfig.evaluation``: in-training evaluation every ``train.eval_every`` steps."""
+
+    @abc.abstractmethod
+    def start(self, model: Any, *, config: ExperimentConfig, norm_stats: Mapping[str, Any] | None) -> EvaluationRun:
+        """Prepare once per training run (build and compile what the evaluation needs, for
+        ``model``'s structure); the trainer keeps the returned callable for the whole run."""
+
+
+@register
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     name: str = "experiment"
+    # A PolicyConfig, a DataSource and an Evaluation (``train.loop.validate`` checks them; the
+    # annotations stay ``Any`` so that tyro expands whichever subclass an experiment sets).
     model: Any = None
     data: Any = SyntheticData()
     train: TrainConfig = TrainConfig()
@@ -79,9 +115,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     distributed: DistributedConfig = DistributedConfig()
-    # In-training evaluation: ``evaluate(model, step, *, config, norm_stats) -> {name: value}``,
-    # called every ``train.eval_every`` steps (e.g. ``experiments.sim_eval.SimEvaluation``).
-    evaluation: Any = None
+    evaluation: Any = None  # e.g. ``embodied_jax.evaluation.SimEvaluation``
     workdir: str = "runs/experiment"
     init_from: str | None = None  # parameters from a converted checkpoint (models.convert)
     dry_run: bool = False  # eval_shape only: config, mesh, parameter counts, bytes per device
@@ -91,38 +125,13 @@ class ExperimentConfig:
     # Simulate this many CPU devices (sets the host platform device count before JAX starts).
     virtual_devices: int | None = None
 
+    def run(self) -> int:
+        """Train; print the loss curve and where the outputs are. Returns the exit status."""
+        from embodied_jax.train.loop import train
 
-def to_dict(config: Any) -> Any:
-    """A JSON view of a (nested) config; each dataclass records ``module:qualname`` so that
-    ``from_dict`` rebuilds the same objects (a checkpoint knows how to remake its model)."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        out = {"__class__": f"{type(config).__module__}:{type(config).__qualname__}"}
-        for f in dataclasses.fields(config):
-            out[f.name] = to_dict(getattr(config, f.name))
-        return out
-    if isinstance(config, (list, tuple)):
-        return [to_dict(x) for x in config]
-    if isinstance(config, dict):
-        return {str(k): to_dict(v) for k, v in config.items()}
-    if isinstance(config, (str, int, float, bool)) or config is None:
-        return config
-    return repr(config)
-
-
-def from_dict(payload: Any) -> Any:
-    """Inverse of ``to_dict``: dataclasses are re-created, JSON lists become tuples."""
-    import importlib
-
-    if isinstance(payload, dict) and "__class__" in payload:
-        module, _, qualname = payload["__class__"].partition(":")
-        cls: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: from_dict(v) for k, v in payload.items() if k != "__class__" and k in fields}
-        return cls(**kwargs)
-    if isinstance(payload, list):
-        return tuple(from_dict(x) for x in payload)
-    if isinstance(payload, dict):
-        return {k: from_dict(v) for k, v in payload.items()}
-    return payload
+        result = train(self)
+        curve = [(h["step"], h["loss"]) for h in result.history if "loss" in h]
+        if curve:
+            print("loss curve: " + ", ".join(f"{s}:{loss:.4f}" for s, loss in curve))
+        print(f"finished at step {result.final_step}; outputs in {result.workdir}")
+        return 0

@@ -6,6 +6,7 @@ boundary with a final checkpoint (exit status 128 + signal number, so schedulers
 requeue it); ``train.max_consecutive_skips`` non-finite steps in a row end it with a
 checkpoint and ``NonFiniteLossError``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,17 +17,26 @@ from typing import Any
 
 import jax
 
+from embodied_jax.config_registry import to_dict
+from embodied_jax.data.iterator import BatchIterator
+from embodied_jax.data.sources import DataSource
 from embodied_jax.parallel import distributed
 from embodied_jax.parallel.mesh import axis_size, describe_mesh, make_mesh
 from embodied_jax.parallel.rules import MESH_AXES, RulesError, ShardingRules
 from embodied_jax.parallel.sharding import data_parallel_size, global_batch, mesh_context
+from embodied_jax.policy import PolicyConfig
 from embodied_jax.train import pretrained
 from embodied_jax.train.checkpoint import Checkpointer
-from embodied_jax.train.config import ExperimentConfig, to_dict
+from embodied_jax.train.config import Evaluation, ExperimentConfig
 from embodied_jax.train.metrics import MetricsWriter, Throughput
 from embodied_jax.train.optimizer import make_optimizer
 from embodied_jax.train.state import (
-    ModelParts, TrainState, init_seed, make_init_fn, model_parts, state_shardings,
+    ModelParts,
+    TrainState,
+    init_seed,
+    make_init_fn,
+    model_parts,
+    state_shardings,
 )
 from embodied_jax.train.step import jit_train_step, make_train_step
 
@@ -68,8 +78,13 @@ class Runtime:
 
     def step_function(self, batch: Any):
         """The jitted train step for batches shaped like ``batch`` (trace it under ``context()``)."""
-        return jit_train_step(make_train_step(self.parts, self.tx, self.schedule, self.config.train, self.mesh,
-                                              self.rules), self.shardings, batch, self.mesh, self.rules)
+        return jit_train_step(
+            make_train_step(self.parts, self.tx, self.schedule, self.config.train, self.mesh, self.rules),
+            self.shardings,
+            batch,
+            self.mesh,
+            self.rules,
+        )
 
 
 def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1) -> None:
@@ -77,6 +92,13 @@ def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1)
     t = config.train
     if config.model is None:
         raise ConfigError("model: the experiment has no model config")
+    for name, value, base in (
+        ("model", config.model, PolicyConfig),
+        ("data", config.data, DataSource),
+        ("evaluation", config.evaluation, Evaluation),
+    ):
+        if value is not None and not isinstance(value, base):
+            raise ConfigError(f"{name}: {type(value).__name__} does not subclass {base.__module__}.{base.__qualname__}")
     for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "max_consecutive_skips"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 1")
@@ -89,7 +111,9 @@ def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1)
     if t.batch_size % process_count:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by the {process_count} processes")
     if t.batch_size % t.grad_accum_steps:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}")
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}"
+        )
 
 
 def build(config: ExperimentConfig, devices: list | None = None) -> Runtime:
@@ -104,8 +128,13 @@ def build(config: ExperimentConfig, devices: list | None = None) -> Runtime:
     validate(config, mesh.devices.size, jax.process_count())
     for axis in MESH_AXES:
         if axis_size(mesh, axis) > 1 and not rules.uses(axis):
-            log.warning("mesh.%s=%d but no sharding rule uses %r: it only replicates (for tensor "
-                        "parallelism add --mesh.rules tensor_parallel)", axis, axis_size(mesh, axis), axis)
+            log.warning(
+                "mesh.%s=%d but no sharding rule uses %r: it only replicates (for tensor "
+                "parallelism add --mesh.rules tensor_parallel)",
+                axis,
+                axis_size(mesh, axis),
+                axis,
+            )
     dp = data_parallel_size(mesh, rules)
     micro = config.train.batch_size // config.train.grad_accum_steps
     if micro % dp:
@@ -115,8 +144,7 @@ def build(config: ExperimentConfig, devices: list | None = None) -> Runtime:
             f"(mesh.data × mesh.fsdp)"
         )
     # The model's own freezing switches (e.g. GR00T's tune_*) add to optimizer.freeze.
-    model_freeze = tuple(config.model.freeze_regexes()) if hasattr(config.model, "freeze_regexes") else ()
-    parts = model_parts(config.model, tuple(config.optimizer.freeze) + model_freeze)
+    parts = model_parts(config.model, tuple(config.optimizer.freeze) + tuple(config.model.freeze_regexes()))
     try:
         tx, schedule = make_optimizer(config.optimizer, config.train.steps)
     except ValueError as e:
@@ -158,11 +186,11 @@ class _SignalFlag:
             signal.signal(sig, handler)
 
 
-def _stats_json(stats: Any) -> dict | None:
+def _stats_json(data_it: BatchIterator) -> dict | None:
     """Normalisation statistics of the data iterator as JSON (saved with every checkpoint)."""
-    if stats is None:
+    if data_it.stats is None:
         return None
-    return {key: value.to_json() if hasattr(value, "to_json") else value for key, value in stats.items()}
+    return {key: value.to_json() for key, value in data_it.stats.items()}
 
 
 @dataclasses.dataclass
@@ -182,10 +210,17 @@ def train(config: ExperimentConfig) -> RunResult:
     if jax.process_index() == 0:
         log.info("mesh: %s", describe_mesh(rt.mesh))
     data_it = config.data.make_iterator(
-        model=config.model, process_index=jax.process_index(), process_count=jax.process_count(),
-        batch_size=t.batch_size, seed=t.seed,
+        model=config.model,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        batch_size=t.batch_size,
+        seed=t.seed,
     )
-    norm_stats = _stats_json(getattr(data_it, "stats", None))
+    if not isinstance(data_it, BatchIterator):
+        raise ConfigError(
+            f"data: {type(config.data).__name__}.make_iterator returned a {type(data_it).__name__}, not a BatchIterator"
+        )
+    norm_stats = _stats_json(data_it)
     ckpt = None
     restored_from = None
     if config.checkpoint.enabled:
@@ -201,6 +236,7 @@ def train(config: ExperimentConfig) -> RunResult:
     config_dict = to_dict(config)
     writer = MetricsWriter(config.metrics, workdir, t.steps, first, config_dict)
     step_fn = None
+    evaluation = None  # started at the first evaluation, kept for the run
     throughput = Throughput()
     pending: tuple[int, dict] | None = None
 
@@ -240,7 +276,9 @@ def train(config: ExperimentConfig) -> RunResult:
                     # The weights a policy bundle serves: the EMA when the run keeps one.
                     params = state.params if state.ema is None else state.ema
                     model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
-                    scores = config.evaluation.evaluate(model, done, config=config, norm_stats=norm_stats)
+                    if evaluation is None:
+                        evaluation = config.evaluation.start(model, config=config, norm_stats=norm_stats)
+                    scores = evaluation(model, done)
                     writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
                 preempted = stop.signum is not None or (ckpt is not None and ckpt.reached_preemption(done))
                 if done % config.checkpoint.save_every == 0 or done == t.steps or preempted:
@@ -257,7 +295,7 @@ def train(config: ExperimentConfig) -> RunResult:
             if ckpt is not None:
                 ckpt.close()
             writer.close()
-            if hasattr(data_it, "close"):
-                data_it.close()
-    return RunResult(int(jax.device_get(state.step)), writer.history, workdir,
-                     ckpt.directory if ckpt else None, restored_from)
+            data_it.close()
+    return RunResult(
+        int(jax.device_get(state.step)), writer.history, workdir, ckpt.directory if ckpt else None, restored_from
+    )

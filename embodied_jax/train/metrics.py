@@ -1,4 +1,5 @@
 """Training metrics to stdout (with a tqdm progress bar), ``metrics.jsonl``, TensorBoard and W&B (offline)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,14 @@ log = logging.getLogger(__name__)
 class MetricsWriter:
     """Only process 0 writes; every process may call it."""
 
-    def __init__(self, config: MetricsConfig, workdir: str | pathlib.Path, total_steps: int,
-                 first_step: int = 0, run_config: dict | None = None):
+    def __init__(
+        self,
+        config: MetricsConfig,
+        workdir: str | pathlib.Path,
+        total_steps: int,
+        first_step: int = 0,
+        run_config: dict | None = None,
+    ):
         self.enabled = jax.process_index() == 0
         self.history: list[dict[str, float]] = []
         self._bar = None
@@ -44,8 +51,7 @@ class MetricsWriter:
             except ImportError as e:
                 raise RuntimeError("metrics.wandb=True needs the wandb package (pip install wandb)") from e
             os.environ.setdefault("WANDB_MODE", "offline")
-            self._wandb = wandb.init(project=config.wandb_project, dir=str(workdir), config=run_config,
-                                     mode="offline")
+            self._wandb = wandb.init(project=config.wandb_project, dir=str(workdir), config=run_config, mode="offline")
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         values = {k: float(np.asarray(v)) for k, v in metrics.items()}

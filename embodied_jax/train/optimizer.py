@@ -1,4 +1,5 @@
 """optax AdamW with schedules, global-norm clipping, weight-decay masks and freezing."""
+
 from __future__ import annotations
 
 import re

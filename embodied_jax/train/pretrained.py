@@ -7,6 +7,7 @@ Adapter leaves that a converted checkpoint cannot hold (LoRA ``lora_a``/``lora_b
 for finetuning) keep their initialised values; any other leaf missing from the
 checkpoint is an error naming it.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -57,7 +58,9 @@ def _split_absent(target: dict, stored: Any, prefix: str = "") -> tuple[dict, li
     return present, adapters, missing
 
 
-def load_into(state: TrainState, directory: str | pathlib.Path, abstract: TrainState, shardings: TrainState) -> TrainState:
+def load_into(
+    state: TrainState, directory: str | pathlib.Path, abstract: TrainState, shardings: TrainState
+) -> TrainState:
     path = pathlib.Path(directory).absolute()
     if not path.exists():
         raise FileNotFoundError(f"init_from={directory}: no such directory")
@@ -70,8 +73,10 @@ def load_into(state: TrainState, directory: str | pathlib.Path, abstract: TrainS
         stored = checkpointer.metadata(path).item_metadata.tree
         target, adapters, missing = _split_absent(target, stored)
         if missing:
-            raise ValueError(f"init_from={directory}: the checkpoint lacks {len(missing)} parameters of the model: "
-                             f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+            raise ValueError(
+                f"init_from={directory}: the checkpoint lacks {len(missing)} parameters of the model: "
+                f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
+            )
         params = checkpointer.restore(path, target)
     if adapters:  # keep the freshly initialised adapters
         params = _deep_merge(_deep_merge(state.params, state.frozen), params)

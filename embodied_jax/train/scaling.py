@@ -23,6 +23,7 @@ These are the analytic figures ``--dry-run`` prints beside XLA's compiled ones a
 - ``memory_plan``: devices needed and the largest per-device batch that fits a GPU, from
   XLA's per-device figures at two batch sizes (temp memory is affine in the batch).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,7 +57,9 @@ def state_bytes(abstract_state, shardings) -> dict[str, dict[str, int]]:
         tree, sh = getattr(abstract_state, name), getattr(shardings, name)
         leaves, shards = jax.tree.leaves(tree), jax.tree.leaves(sh)
         out["total"][name] = sum(_nbytes(x.shape, x.dtype) for x in leaves)
-        out["per_device"][name] = sum(_nbytes(s.shard_shape(x.shape), x.dtype) for x, s in zip(leaves, shards))
+        out["per_device"][name] = sum(
+            _nbytes(s.shard_shape(x.shape), x.dtype) for x, s in zip(leaves, shards, strict=True)
+        )
     return out
 
 
@@ -76,11 +79,19 @@ class _Leaf:
 
 def _leaves(parts, placements) -> list[_Leaf]:
     out = []
-    for group, template, placement in zip(GROUPS, parts.templates, placements):
+    for group, template, placement in zip(GROUPS, parts.templates, placements, strict=True):
         specs = traverse_util.flatten_dict(placement)
         for path, variable in nnx.to_flat_state(template):
-            out.append(_Leaf("/".join(map(str, path)), logical_names(variable), int(np.prod(variable.shape)),
-                             np.dtype(variable.dtype).itemsize, group, specs[tuple(path)].spec))
+            out.append(
+                _Leaf(
+                    "/".join(map(str, path)),
+                    logical_names(variable),
+                    int(np.prod(variable.shape)),
+                    np.dtype(variable.dtype).itemsize,
+                    group,
+                    specs[tuple(path)].spec,
+                )
+            )
     return out
 
 
@@ -89,8 +100,16 @@ def _block_of(path: str) -> str:
     return "/".join(path.split("/")[:-2])
 
 
-def analytic_collectives(parts, placements, mesh, *, remat: bool, gather_itemsize, reduce_itemsize: int,
-                         rules: ShardingRules = ShardingRules()) -> dict[str, float]:
+def analytic_collectives(
+    parts,
+    placements,
+    mesh,
+    *,
+    remat: bool,
+    gather_itemsize,
+    reduce_itemsize: int,
+    rules: ShardingRules = ShardingRules(),
+) -> dict[str, float]:
     """Per-device bytes per step: ``all-gather`` (forward and rematerialised backward),
     ``reduce-scatter`` and ``all-reduce`` of gradients, with their sum in ``total``.
 
@@ -128,12 +147,12 @@ def activation_bytes(parts, model_config) -> dict[str, int]:
     from jax.extend import core as jcore
 
     templates = [nnx.State(t).to_pure_dict() for t in parts.templates]
-    params, frozen, fp8, other = [jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), t)
-                                  for t in templates]
+    params, frozen, fp8, other = [jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), t) for t in templates]
 
     def residuals(batch_size: int) -> dict[str, int]:
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                             model_config.synthetic_batch(batch_size))
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), model_config.synthetic_batch(batch_size)
+        )
 
         def vjp_of_loss(trained, fixed):
             def loss(trained):
@@ -160,8 +179,14 @@ def stored_on_cpu(by_dtype: dict[str, int]) -> int:
     return sum(n * (2 if dtype in ("bfloat16", "float16") else 1) for dtype, n in by_dtype.items())
 
 
-def memory_plan(device_bytes_at: dict[int, float], *, state_total: int, state_per_device: int, gpu_bytes: float,
-                global_examples: int) -> dict[str, Any]:
+def memory_plan(
+    device_bytes_at: dict[int, float],
+    *,
+    state_total: int,
+    state_per_device: int,
+    gpu_bytes: float,
+    global_examples: int,
+) -> dict[str, Any]:
     """Plan from XLA's per-device bytes (arguments + temp + outputs - aliased) at two per-device
     batch sizes on one mesh: memory is affine in the per-device batch, and its batch-free part
     holds this mesh's shard of the state (``state_per_device`` of ``state_total``), which
@@ -172,10 +197,19 @@ def memory_plan(device_bytes_at: dict[int, float], *, state_total: int, state_pe
     fixed = m1 - per_example * b1
     other = fixed - state_per_device  # gathered weights, gradient buffers: do not shrink with devices
     if per_example == 0:  # memory did not grow with the batch: no per-example estimate
-        return {"bytes_per_example": 0.0, "fixed_bytes": m1, "max_examples_per_device": None,
-                "devices_needed": math.ceil(state_total / (gpu_bytes - (m1 - state_per_device)))
-                if gpu_bytes > m1 - state_per_device else None}
+        return {
+            "bytes_per_example": 0.0,
+            "fixed_bytes": m1,
+            "max_examples_per_device": None,
+            "devices_needed": math.ceil(state_total / (gpu_bytes - (m1 - state_per_device)))
+            if gpu_bytes > m1 - state_per_device
+            else None,
+        }
     max_batch = int((gpu_bytes - fixed) // per_example) if gpu_bytes > fixed else 0
     need = (state_total + per_example * global_examples) / (gpu_bytes - other) if gpu_bytes > other else math.inf
-    return {"bytes_per_example": per_example, "fixed_bytes": fixed, "max_examples_per_device": max_batch,
-            "devices_needed": math.ceil(need) if math.isfinite(need) else None}
+    return {
+        "bytes_per_example": per_example,
+        "fixed_bytes": fixed,
+        "max_examples_per_device": max_batch,
+        "devices_needed": math.ceil(need) if math.isfinite(need) else None,
+    }

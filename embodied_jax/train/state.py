@@ -6,6 +6,7 @@ An NNX model is split into four groups of variables, each kept as a plain nested
 remembers the graph definition and abstract templates to merge them back into a module
 inside the jitted step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,7 +61,7 @@ class ModelParts:
 
     def merge(self, params: dict, frozen: dict, fp8: dict, other: dict) -> nnx.Module:
         states = []
-        for template, pure in zip(self.templates, (params, frozen, fp8, other)):
+        for template, pure in zip(self.templates, (params, frozen, fp8, other), strict=True):
             state = jax.tree.map(lambda x: x, template)  # fresh Variables, same metadata
             nnx.replace_by_pure_dict(state, pure)
             states.append(state)
@@ -75,8 +76,10 @@ class ModelParts:
         return tuple(nnx.State(parameter_placements(t, mesh, rules)).to_pure_dict() for t in self.templates)
 
     def shardings(self, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> tuple[dict, ...]:
-        return tuple(jax.tree.map(lambda p: NamedSharding(mesh, p.spec), group, is_leaf=_is_placement)
-                     for group in self.placements(mesh, rules))
+        return tuple(
+            jax.tree.map(lambda p: NamedSharding(mesh, p.spec), group, is_leaf=_is_placement)
+            for group in self.placements(mesh, rules)
+        )
 
 
 def _is_placement(x) -> bool:
@@ -100,8 +103,14 @@ def _cast(tree: dict, dtype: str | None) -> dict:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def make_init_fn(model_config: Any, parts: ModelParts, tx: optax.GradientTransformation,
-                 opt_config: OptimizerConfig, mesh: Mesh, ema: bool):
+def make_init_fn(
+    model_config: Any,
+    parts: ModelParts,
+    tx: optax.GradientTransformation,
+    opt_config: OptimizerConfig,
+    mesh: Mesh,
+    ema: bool,
+):
     """``init(seed) -> TrainState``: jit it with ``out_shardings`` to initialise sharded."""
 
     def init(seed: jax.Array) -> TrainState:
@@ -126,8 +135,13 @@ def make_init_fn(model_config: Any, parts: ModelParts, tx: optax.GradientTransfo
     return init
 
 
-def state_shardings(abstract_state: TrainState, parts: ModelParts, tx: optax.GradientTransformation,
-                    mesh: Mesh, rules: ShardingRules = ShardingRules()) -> TrainState:
+def state_shardings(
+    abstract_state: TrainState,
+    parts: ModelParts,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: ShardingRules = ShardingRules(),
+) -> TrainState:
     """Shardings of every leaf: parameters from their logical axes, optimizer state like its
     parameters, scalars replicated."""
     params, frozen, fp8, other = parts.shardings(mesh, rules)
@@ -141,9 +155,16 @@ def state_shardings(abstract_state: TrainState, parts: ModelParts, tx: optax.Gra
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
     return TrainState(
-        step=rep, params=params, frozen=frozen, fp8=fp8, other=other, opt_state=opt,
+        step=rep,
+        params=params,
+        frozen=frozen,
+        fp8=fp8,
+        other=other,
+        opt_state=opt,
         ema=params if abstract_state.ema is not None else None,
-        rng=rep, skips=rep, total_skips=rep,
+        rng=rep,
+        skips=rep,
+        total_skips=rep,
     )
 
 

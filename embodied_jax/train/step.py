@@ -4,6 +4,7 @@ A step whose loss or gradient is not finite leaves parameters, optimizer, FP8 an
 state untouched and increments the skip counters; the decision is a ``jnp.where``
 inside the compiled step, so the host never waits on it.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,8 +34,14 @@ def _micro_batches(batch: Any, accum: int, mesh: Mesh) -> Any:
     return micro
 
 
-def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    config: TrainConfig, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+def make_train_step(
+    parts: ModelParts,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    config: TrainConfig,
+    mesh: Mesh,
+    rules: ShardingRules = ShardingRules(),
+):
     accum = config.grad_accum_steps
 
     def loss_fn(params, fp8, frozen, other, batch, rng):

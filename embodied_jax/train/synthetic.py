@@ -1,12 +1,15 @@
 """A checkpointable iterator over synthetic batches of a model's exact training shapes."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
+from embodied_jax.data.iterator import BatchIterator
 
-class SyntheticIterator:
+
+class SyntheticIterator(BatchIterator):
     """Batch ``n`` depends only on (seed, n): every process slices the same global batch.
 
     The state is the number of batches already produced, so a restored run continues
@@ -22,13 +25,12 @@ class SyntheticIterator:
         if batch_size % process_count:
             raise ValueError(f"train.batch_size={batch_size} is not divisible by {process_count} processes")
         self._model = model
-        self._rows = slice(process_index * batch_size // process_count, (process_index + 1) * batch_size // process_count)
+        self._rows = slice(
+            process_index * batch_size // process_count, (process_index + 1) * batch_size // process_count
+        )
         self._batch_size = batch_size
         self._seed = seed
         self._next = 0
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> dict[str, Any]:
         seed = int(np.random.SeedSequence([self._seed, self._next]).generate_state(1)[0])

@@ -9,6 +9,7 @@ batch 8, 50-step action chunks) with 0 and 2 Grain worker processes on both path
 prints the figures and the frame-store / raw ratio. Reference figures for LeRobot's own
 loader on a 2-core machine on such data: about 110 samples/s with 0 workers, 165 with 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,14 @@ def camera_frames(episode: int, camera: int, rng: np.random.Generator) -> np.nda
     phase = rng.uniform(0, 2 * np.pi, size=3)
     for t in range(FRAMES):
         s = t / FRAMES
-        image = np.stack([
-            0.5 + 0.35 * np.sin(2 * np.pi * (3 * x + s) + phase[0]) * np.cos(2 * np.pi * (2 * y - s)),
-            0.5 + 0.35 * np.sin(2 * np.pi * (2 * x * y + 2 * s) + phase[1] + camera),
-            0.5 + 0.35 * np.cos(2 * np.pi * (4 * y + s) + phase[2] + episode),
-        ], axis=-1)
+        image = np.stack(
+            [
+                0.5 + 0.35 * np.sin(2 * np.pi * (3 * x + s) + phase[0]) * np.cos(2 * np.pi * (2 * y - s)),
+                0.5 + 0.35 * np.sin(2 * np.pi * (2 * x * y + 2 * s) + phase[1] + camera),
+                0.5 + 0.35 * np.cos(2 * np.pi * (4 * y + s) + phase[2] + episode),
+            ],
+            axis=-1,
+        )
         cx, cy = 0.5 + 0.3 * np.cos(2 * np.pi * s), 0.5 + 0.3 * np.sin(2 * np.pi * s)
         image[((x - cx) ** 2 + (y - cy) ** 2) < 0.01] = (0.9, 0.2, 0.1)
         image += rng.normal(0, 0.02, size=image.shape)
@@ -51,13 +55,15 @@ def generate(root: pathlib.Path) -> pathlib.Path:
     rng = np.random.default_rng(0)
     episodes = []
     for e in range(EPISODES):
-        episodes.append({
-            "task": f"pick up the object {e % 3}",
-            "observation.state": rng.normal(size=(FRAMES, 14)).astype(np.float32),
-            "action": rng.normal(size=(FRAMES, 14)).astype(np.float32),
-            "observation.images.top": camera_frames(e, 0, rng),
-            "observation.images.wrist": camera_frames(e, 1, rng),
-        })
+        episodes.append(
+            {
+                "task": f"pick up the object {e % 3}",
+                "observation.state": rng.normal(size=(FRAMES, 14)).astype(np.float32),
+                "action": rng.normal(size=(FRAMES, 14)).astype(np.float32),
+                "observation.images.top": camera_frames(e, 0, rng),
+                "observation.images.wrist": camera_frames(e, 1, rng),
+            }
+        )
     start = time.time()
     write_lerobot_dataset(root, episodes, fps=30, version="v3.0", codec="av1", episodes_per_file=EPISODES)
     print(f"generated {EPISODES} x {FRAMES} frames, 2 AV1 cameras at {SIZE}x{SIZE}, in {time.time() - start:.1f}s")
@@ -90,16 +96,24 @@ def main() -> None:
         print(f"converted {len(report.written)} episodes ({report.frames} frames) in {time.time() - start:.1f}s")
     spec = SampleSpec(action_horizon=50)
     results = {}
-    for path, source in (("raw video", SourceConfig(str(raw))), ("frame store", SourceConfig(str(raw), frame_store=str(store)))):
+    for path, source in (
+        ("raw video", SourceConfig(str(raw))),
+        ("frame store", SourceConfig(str(raw), frame_store=str(store))),
+    ):
         for workers in (0, 2):
             config = DataConfig(sources=(source,), spec=spec, image_size=(SIZE, SIZE), num_workers=workers)
             results[path, workers], cpu_ms = measure(config, args.batches)
             # With 0 workers all work is in this process, so its CPU time per sample is the cost of a
             # sample independent of other load on the machine (2 / cost = what 2 free cores could do).
-            cost = f"; {cpu_ms:5.2f} CPU ms/sample (~{2000 / cpu_ms:6.0f} samples/s on 2 free cores)" if workers == 0 else ""
+            cost = (
+                f"; {cpu_ms:5.2f} CPU ms/sample (~{2000 / cpu_ms:6.0f} samples/s on 2 free cores)"
+                if workers == 0
+                else ""
+            )
             print(f"{path:12s} workers={workers}: {results[path, workers]:8.1f} samples/s{cost}")
     for workers in (0, 2):
-        print(f"frame store / raw video, workers={workers}: {results['frame store', workers] / results['raw video', workers]:.2f}x")
+        ratio = results["frame store", workers] / results["raw video", workers]
+        print(f"frame store / raw video, workers={workers}: {ratio:.2f}x")
     print("reference (LeRobot loader, 2-core machine): ~110 samples/s with 0 workers, ~165 with 2")
 
 

@@ -22,6 +22,7 @@ Prints the mixture's statistics, the timings and one JSON line with ``model``,
 ``ideal_speedup`` = analytic FLOPs of the padded batches / analytic FLOPs of the same
 samples unpadded (``training_flops``: weight matmuls plus attention's quadratic term).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ import time
 
 import numpy as np
 
-CAMERAS = {"pi05": ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"),
-           "gr00t": ("ego_view", "left_wrist", "right_wrist")}
+CAMERAS = {
+    "pi05": ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"),
+    "gr00t": ("ego_view", "left_wrist", "right_wrist"),
+}
 EMBODIMENTS = ((1, 8), (2, 14), (3, 32))  # (cameras, state dims)
 PI05_TEMPLATE = 8  # BOS, "Task:", ", State:", ";\nAction: " pieces
 GR00T_TEMPLATE = 24  # chat template around the user turn
@@ -69,12 +72,13 @@ def model_for(config, family: str, mixture: list[Sample]):
     cams = CAMERAS[family]
     longest_text = max(s.text_tokens for s in mixture)
     if family == "pi05":
-        return dataclasses.replace(config, camera_names=cams, max_token_len=max(config.max_token_len, 200,
-                                                                                    longest_text))
-    patches = (config.image_size // config.patch_size) ** 2
+        return dataclasses.replace(
+            config, camera_names=cams, max_token_len=max(config.max_token_len, 200, longest_text)
+        )
+    patches = config.vision.num_patches
     # the padded prompt holds every camera's block: its text is the sample's plus the absent cameras' tags
     text = max(s.text_tokens + (len(cams) - s.cameras) * GR00T_IMAGE_TAGS for s in mixture)
-    return dataclasses.replace(config, cameras=cams, max_token_len=len(cams) * patches + text)
+    return dataclasses.replace(config, camera_names=cams, max_token_len=len(cams) * patches + text)
 
 
 def pi05_samples(model, mixture, rng):
@@ -86,13 +90,18 @@ def pi05_samples(model, mixture, rng):
         n = min(s.text_tokens, model.max_token_len)
         tokens = np.zeros(model.max_token_len, np.int32)
         tokens[:n] = rng.integers(1, model.vocab_size, n)
-        images = {c: rng.uniform(-1, 1, (size, size, 3)).astype(np.float32) if j < s.cameras
-                  else np.full((size, size, 3), -1.0, np.float32) for j, c in enumerate(model.camera_names)}
+        images = {
+            c: rng.uniform(-1, 1, (size, size, 3)).astype(np.float32)
+            if j < s.cameras
+            else np.full((size, size, 3), -1.0, np.float32)
+            for j, c in enumerate(model.camera_names)
+        }
         sample = {
             "images": images,
             "image_masks": {c: np.bool_(j < s.cameras) for j, c in enumerate(model.camera_names)},
             "state": rng.uniform(-1, 1, model.max_state_dim).astype(np.float32),
-            "tokens": tokens, "token_mask": np.arange(model.max_token_len) < n,
+            "tokens": tokens,
+            "token_mask": np.arange(model.max_token_len) < n,
             "actions": rng.normal(size=(model.action_horizon, model.max_action_dim)).astype(np.float32),
             "action_dim_mask": np.arange(model.max_action_dim) < model.action_dim,
         }
@@ -102,16 +111,19 @@ def pi05_samples(model, mixture, rng):
 
 
 def gr00t_samples(model, mixture, rng):
-    patches = model.image_tokens
-    size = model.image_size
-    text_vocab = min(model.vocab_size, model.image_token_id)
+    patches = model.vision.num_patches
+    size = model.vision.image_size
+    text_vocab = min(model.llm.vocab_size, model.image_token_id)
     padded, packed = [], []
 
     def prompt(text_tokens, cams):
         pieces = [rng.integers(0, text_vocab, GR00T_TEMPLATE // 2)]
         for _ in range(cams):
-            pieces += [rng.integers(0, text_vocab, GR00T_IMAGE_TAGS - 1), np.full(patches, model.image_token_id),
-                       rng.integers(0, text_vocab, 1)]
+            pieces += [
+                rng.integers(0, text_vocab, GR00T_IMAGE_TAGS - 1),
+                np.full(patches, model.image_token_id),
+                rng.integers(0, text_vocab, 1),
+            ]
         rest = text_tokens - GR00T_TEMPLATE // 2 - cams * GR00T_IMAGE_TAGS
         pieces.append(rng.integers(0, text_vocab, max(rest, 1)))
         return np.concatenate(pieces).astype(np.int32)
@@ -124,13 +136,20 @@ def gr00t_samples(model, mixture, rng):
             "action_mask": np.ones((model.action_horizon, model.action_dim), bool),
         }
         images = [rng.uniform(-1, 1, (size, size, 3)).astype(np.float32) for _ in range(s.cameras)]
-        full = prompt(s.text_tokens + (len(model.cameras) - s.cameras) * GR00T_IMAGE_TAGS, len(model.cameras))
+        cameras = model.camera_names
+        full = prompt(s.text_tokens + (len(cameras) - s.cameras) * GR00T_IMAGE_TAGS, len(cameras))
         tokens = np.zeros(model.max_token_len, np.int32)
-        tokens[:len(full)] = full
+        tokens[: len(full)] = full
         blank = np.full((size, size, 3), -1.0, np.float32)
-        padded.append(dict(common, tokens=tokens, token_mask=np.arange(model.max_token_len) < len(full),
-                           images={c: images[j] if j < s.cameras else blank for j, c in enumerate(model.cameras)},
-                           image_masks={c: np.bool_(True) for c in model.cameras}))
+        padded.append(
+            dict(
+                common,
+                tokens=tokens,
+                token_mask=np.arange(model.max_token_len) < len(full),
+                images={c: images[j] if j < s.cameras else blank for j, c in enumerate(cameras)},
+                image_masks={c: np.bool_(True) for c in cameras},
+            )
+        )
         packed.append(dict(common, tokens=prompt(s.text_tokens, s.cameras), images=np.stack(images)))
     return padded, packed
 
@@ -190,12 +209,11 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(bench.seed)
     mixture = [draw_mixture(rng, bench.batch, family) for _ in range(bench.steps)]
     model = model_for(config.model, family, [s for step in mixture for s in step])
-    config = dataclasses.replace(config, model=model,
-                                 train=dataclasses.replace(config.train, batch_size=bench.batch))
+    config = dataclasses.replace(config, model=model, train=dataclasses.replace(config.train, batch_size=bench.batch))
     make = pi05_samples if family == "pi05" else gr00t_samples
     per_step = [make(model, step, rng) for step in mixture]
     lengths = [len(p["tokens"]) for _, packed in per_step for p in packed]
-    tokens_per_image = model.vision.num_patches if family == "pi05" else model.image_tokens
+    tokens_per_image = model.vision.num_patches
 
     def analytic(batch):
         f = model.training_flops(batch)
@@ -207,8 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
         first = [pack_samples(packed, packing) for _, packed in per_step]
         rows = max(len(b["tokens"]) for b in first)
         packing = dataclasses.replace(
-            packing, max_samples_per_row=max(int(b["sample_mask"].sum(1).max()) for b in first),
-            max_images_per_row=max(int((b["image_segment_ids"] > 0).sum(1).max()) for b in first))
+            packing,
+            max_samples_per_row=max(int(b["sample_mask"].sum(1).max()) for b in first),
+            max_images_per_row=max(int((b["image_segment_ids"] > 0).sum(1).max()) for b in first),
+        )
         batches = [pack_samples(packed, packing, num_rows=rows) for _, packed in per_step]
         return float(np.mean([analytic(b) for b in batches])), packing, rows, batches
 
@@ -224,30 +244,49 @@ def main(argv: list[str] | None = None) -> dict:
     texts = [s.text_tokens for s in flat]
     real = sum(int((b["segment_ids"] > 0).sum()) for b in packed_batches)
     slots = sum(int((b["image_segment_ids"] > 0).sum()) for b in packed_batches)
-    print(f"mixture: {len(flat)} samples (seed {bench.seed}); cameras 1/2/3: {cams.tolist()}; instruction words "
-          f"{min(s.words for s in flat)}-{max(s.words for s in flat)} (mean {np.mean([s.words for s in flat]):.1f}); "
-          f"prompt tokens {min(texts)}-{max(texts)} (mean {np.mean(texts):.1f}); sample tokens (images included) "
-          f"{min(lengths)}-{max(lengths)} (mean {np.mean(lengths):.1f})")
-    print(f"padded: {bench.batch} samples x {padded_batches[0]['tokens'].shape[1]} prompt tokens, "
-          f"{len(CAMERAS[family])} camera slots each")
-    print(f"packed: {rows} rows x {seq_len} tokens, <= {per_row} samples and {packing.max_images_per_row} image "
-          f"slots per row; tokens real {real / (rows * seq_len * len(packed_batches)):.1%}, image slots used "
-          f"{slots / (rows * packing.max_images_per_row * len(packed_batches)):.1%}")
+    print(
+        f"mixture: {len(flat)} samples (seed {bench.seed}); cameras 1/2/3: {cams.tolist()}; instruction words "
+        f"{min(s.words for s in flat)}-{max(s.words for s in flat)} (mean {np.mean([s.words for s in flat]):.1f}); "
+        f"prompt tokens {min(texts)}-{max(texts)} (mean {np.mean(texts):.1f}); sample tokens (images included) "
+        f"{min(lengths)}-{max(lengths)} (mean {np.mean(lengths):.1f})"
+    )
+    print(
+        f"padded: {bench.batch} samples x {padded_batches[0]['tokens'].shape[1]} prompt tokens, "
+        f"{len(CAMERAS[family])} camera slots each"
+    )
+    print(
+        f"packed: {rows} rows x {seq_len} tokens, <= {per_row} samples and {packing.max_images_per_row} image "
+        f"slots per row; tokens real {real / (rows * seq_len * len(packed_batches)):.1%}, image slots used "
+        f"{slots / (rows * packing.max_images_per_row * len(packed_batches)):.1%}"
+    )
 
     padded_flops = np.mean([analytic(b) for b in padded_batches])
     one = dataclasses.replace(packing, max_samples_per_row=1)
-    unpadded_flops = np.mean([sum(analytic(pack_samples([p], dataclasses.replace(
-        one, seq_len=len(p["tokens"]), max_images_per_row=max(1, len(p["images"]))))) for p in packed)
-        for _, packed in per_step])
+    unpadded_flops = np.mean(
+        [
+            sum(
+                analytic(
+                    pack_samples(
+                        [p],
+                        dataclasses.replace(one, seq_len=len(p["tokens"]), max_images_per_row=max(1, len(p["images"]))),
+                    )
+                )
+                for p in packed
+            )
+            for _, packed in per_step
+        ]
+    )
 
     rt = build(config)
     with rt.context():
         state = initial_state(rt)
         # the step donates its state: each layout continues from the state the previous one returned
-        padded_s, padded_compile, padded_loss, state = time_steps(rt, state, padded_batches, bench.warmup,
-                                                                  bench.steps, bench.profile, "padded")
-        packed_s, packed_compile, packed_loss, state = time_steps(rt, state, packed_batches, bench.warmup,
-                                                                  bench.steps, bench.profile, "packed")
+        padded_s, padded_compile, padded_loss, state = time_steps(
+            rt, state, padded_batches, bench.warmup, bench.steps, bench.profile, "padded"
+        )
+        packed_s, packed_compile, packed_loss, state = time_steps(
+            rt, state, packed_batches, bench.warmup, bench.steps, bench.profile, "packed"
+        )
     result = {
         "model": config.name,
         "samples_per_step": bench.batch,
@@ -262,7 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
         "padded_analytic_flops": float(padded_flops),
         "packed_analytic_flops": float(packed_flops),
         "unpadded_analytic_flops": float(unpadded_flops),
-        "rows": rows, "seq_len": seq_len, "samples_per_row": per_row,
+        "rows": rows,
+        "seq_len": seq_len,
+        "samples_per_row": per_row,
         "compile_s": {"padded": padded_compile, "packed": packed_compile},
         "loss": {"padded": padded_loss, "packed": packed_loss},
     }

@@ -8,6 +8,7 @@ draws of the action suffix attend its cached keys/values. Printed: observations/
 ratio, and the loss after N steps on a held-out batch with fixed noise and time (K=1 evaluation),
 so the extra draws' effect on sample efficiency is visible beside their cost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,11 +77,12 @@ def main(argv=None) -> None:
     for k in (1, args.draws):
         cfg = dataclasses.replace(base, flow_samples_per_obs=k)
         results[k] = run(cfg, batches, (held, noise, time_), args.steps, mesh)
-        print(f"K={k}: {results[k][0]:.3f} observations/s, held-out loss after {args.steps} steps "
-              f"{results[k][1]:.4f}")
+        print(f"K={k}: {results[k][0]:.3f} observations/s, held-out loss after {args.steps} steps {results[k][1]:.4f}")
     (eps1, loss1), (epsk, lossk) = results[1], results[args.draws]
-    print(f"K={args.draws} vs K=1: {epsk / eps1:.2f}x observations/s (without prefix reuse at most "
-          f"{1 / args.draws:.2f}x), held-out loss {lossk:.4f} vs {loss1:.4f}")
+    print(
+        f"K={args.draws} vs K=1: {epsk / eps1:.2f}x observations/s (without prefix reuse at most "
+        f"{1 / args.draws:.2f}x), held-out loss {lossk:.4f} vs {loss1:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ training loss over the last quarter of the steps, and each ratio against bfloat1
 FP8 is emulated (quantise/dequantise around float matmuls), so only the loss tracking means
 anything there; the speed-up needs FP8 tensor cores (H100/H200).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,11 @@ import time
 import jax
 import numpy as np
 
-VARIANTS = {"float32": dict(dtype="float32", fp8="none"),
-            "bfloat16": dict(dtype="bfloat16", fp8="none"),
-            "fp8 (flax)": dict(dtype="bfloat16", fp8="flax")}
+VARIANTS = {
+    "float32": dict(dtype="float32", fp8="none"),
+    "bfloat16": dict(dtype="bfloat16", fp8="none"),
+    "fp8 (flax)": dict(dtype="bfloat16", fp8="flax"),
+}
 
 
 def run(config, steps: int, num_batches: int = 4) -> tuple[float, list[float]]:
@@ -59,22 +62,31 @@ def main(argv=None) -> dict:
 
     base = get(args.experiment)
     train = dataclasses.replace(base.train, steps=args.steps, batch_size=args.batch or base.train.batch_size)
-    base = dataclasses.replace(base, train=train, mesh=MeshConfig(data=-1),
-                               checkpoint=CheckpointConfig(enabled=False),
-                               metrics=MetricsConfig(progress_bar=False, tensorboard=False))
+    base = dataclasses.replace(
+        base,
+        train=train,
+        mesh=MeshConfig(data=-1),
+        checkpoint=CheckpointConfig(enabled=False),
+        metrics=MetricsConfig(progress_bar=False, tensorboard=False),
+    )
     tail = max(1, args.steps // 4)
     results = {}
     for name, fields in VARIANTS.items():
         config = dataclasses.replace(base, model=dataclasses.replace(base.model, **fields))
         seconds, losses = run(config, args.steps)
         results[name] = (seconds, float(np.mean(losses[-tail:])), losses)
-        print(f"{name:>10}: {seconds * 1e3:8.1f} ms/step, loss over the last {tail} of {args.steps} steps "
-              f"{results[name][1]:.4f} (first {losses[0]:.4f})", flush=True)
+        print(
+            f"{name:>10}: {seconds * 1e3:8.1f} ms/step, loss over the last {tail} of {args.steps} steps "
+            f"{results[name][1]:.4f} (first {losses[0]:.4f})",
+            flush=True,
+        )
     ref_s, ref_loss, _ = results["bfloat16"]
     for name in ("fp8 (flax)", "float32"):
         seconds, loss, _ = results[name]
-        print(f"{name} vs bfloat16: step time x{seconds / ref_s:.2f}, loss x{loss / ref_loss:.3f} "
-              f"({jax.default_backend()}, {args.experiment}, batch {train.batch_size})")
+        print(
+            f"{name} vs bfloat16: step time x{seconds / ref_s:.2f}, loss x{loss / ref_loss:.3f} "
+            f"({jax.default_backend()}, {args.experiment}, batch {train.batch_size})"
+        )
     return results
 
 

@@ -7,6 +7,7 @@ name and by kind (the name up to its first ``.``: ``ynn_fusion`` = XLA:CPU matmu
 shares are of summed op time, not of wall time. ``describe(hlo_text, name)`` gives an op's
 shape and the JAX operation it came from.
 """
+
 from __future__ import annotations
 
 import collections

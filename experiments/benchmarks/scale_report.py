@@ -23,6 +23,7 @@ kernels other than the XLA reference (cuDNN/TE are faster), and topology effects
 rail-optimised networks. The output ends with one JSON line per configuration; the last one
 is the compiled configuration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,7 @@ def comm_seconds(payload: dict[str, float], gpus: int, gpus_per_node: int) -> fl
     """Hierarchical-ring time for collectives over all ``gpus`` (FSDP groups span the job)."""
     local = min(gpus, gpus_per_node)
     nodes = max(gpus // gpus_per_node, 1)
-    per_array = ((local - 1) / local / H200["nvlink_bytes_per_s"]
-                 + (nodes - 1) / nodes / H200["node_rdma_bytes_per_s"])
+    per_array = (local - 1) / local / H200["nvlink_bytes_per_s"] + (nodes - 1) / nodes / H200["node_rdma_bytes_per_s"]
     passes = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2}
     return sum(payload.get(kind, 0.0) * n for kind, n in passes.items()) * per_array
 
@@ -51,27 +51,42 @@ def gpu_payload(rt_parts, mesh, remat: bool, rules) -> tuple[dict[str, float], f
     from embodied_jax.train import scaling
 
     placements = rt_parts.placements(mesh, rules)
-    wire = scaling.analytic_collectives(rt_parts, placements, mesh, remat=remat, rules=rules,
-                                        gather_itemsize=lambda own: min(own, 2), reduce_itemsize=4)
+    wire = scaling.analytic_collectives(
+        rt_parts, placements, mesh, remat=remat, rules=rules, gather_itemsize=lambda own: min(own, 2), reduce_itemsize=4
+    )
     g = math.prod(mesh.shape.values())
     return {k: v * g / (g - 1) if g > 1 else 0.0 for k, v in wire.items() if k != "total"}, wire["total"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m experiments.benchmarks.scale_report",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmarks.scale_report", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("name", help="experiment (pi05, gr00t_n15, ...)")
     parser.add_argument("--devices", type=int, required=True, help="virtual devices to compile for (fsdp = N)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--examples-per-device", type=int, default=None,
-                        help="per-device batch (default: pi05 32, gr00t_n15 64)")
+    parser.add_argument(
+        "--examples-per-device", type=int, default=None, help="per-device batch (default: pi05 32, gr00t_n15 64)"
+    )
     parser.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak bf16 FLOP/s")
-    parser.add_argument("--overlap", type=float, default=0.8,
-                        help="communication hidden behind compute, as a fraction of the compute time")
-    parser.add_argument("--round-examples", type=float, default=None,
-                        help="also report the wall time of a training round of this many examples")
-    parser.add_argument("--round-node-hours", type=float, default=None,
-                        help="... or of the round that one node (--gpus-per-node GPUs) trains in this many hours")
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=0.8,
+        help="communication hidden behind compute, as a fraction of the compute time",
+    )
+    parser.add_argument(
+        "--round-examples",
+        type=float,
+        default=None,
+        help="also report the wall time of a training round of this many examples",
+    )
+    parser.add_argument(
+        "--round-node-hours",
+        type=float,
+        default=None,
+        help="... or of the round that one node (--gpus-per-node GPUs) trains in this many hours",
+    )
     parser.add_argument("overrides", nargs="*", help="experiment overrides, after --")
     args = parser.parse_args(argv)
 
@@ -88,30 +103,43 @@ def main(argv: list[str] | None = None) -> list[dict]:
     per_device = args.examples_per_device or DEFAULT_EXAMPLES_PER_DEVICE.get(args.name, 1)
     config = parse([args.name, *args.overrides])
     config = dataclasses.replace(
-        config, mesh=dataclasses.replace(config.mesh, data=1, fsdp=args.devices),
-        train=dataclasses.replace(config.train, batch_size=per_device * args.devices, grad_accum_steps=1))
+        config,
+        mesh=dataclasses.replace(config.mesh, data=1, fsdp=args.devices),
+        train=dataclasses.replace(config.train, batch_size=per_device * args.devices, grad_accum_steps=1),
+    )
     rt = loop.build(config)
-    compiled = report(rt, compile=True, show_config=False,
-                      out=lambda line: None if line.startswith("dry-run summary") else print(line))
+    compiled = report(
+        rt,
+        compile=True,
+        show_config=False,
+        out=lambda line: None if line.startswith("dry-run summary") else print(line),
+    )
     remat = getattr(config.model, "remat_policy", "none") != "none"
     flops_per_example = compiled["flops_per_device"] / per_device
-    fixed_device_bytes = compiled["device_bytes"] - (compiled["param_bytes_per_device"]
-                                                     + compiled["opt_bytes_per_device"] + compiled["ema_bytes_per_device"])
+    fixed_device_bytes = compiled["device_bytes"] - (
+        compiled["param_bytes_per_device"] + compiled["opt_bytes_per_device"] + compiled["ema_bytes_per_device"]
+    )
     state_total = compiled["total_state_bytes"]
 
-    print(f"\nProjection for H200 nodes ({args.gpus_per_node} GPUs each): peak {H200['peak_flops'] / 1e12:.0f} TFLOP/s "
-          f"bf16 at MFU {args.mfu:g}; NVLink {H200['nvlink_bytes_per_s'] / 1e9:.0f} GB/s per GPU inside a node; "
-          f"RDMA {H200['node_rdma_bytes_per_s'] / 1e9:.0f} GB/s per node; communication hidden up to "
-          f"{args.overlap:g} x compute; {per_device} examples per GPU; bf16 weight gathers, f32 gradient reductions.")
-    print(f"{'GPUs':>6} {'state/GPU GiB':>14} {'temp GiB':>9} {'fits':>5} {'compute s':>10} {'comm s':>8} "
-          f"{'step s':>8} {'examples/s':>11} {'scaling':>8}")
+    print(
+        f"\nProjection for H200 nodes ({args.gpus_per_node} GPUs each): peak {H200['peak_flops'] / 1e12:.0f} TFLOP/s "
+        f"bf16 at MFU {args.mfu:g}; NVLink {H200['nvlink_bytes_per_s'] / 1e9:.0f} GB/s per GPU inside a node; "
+        f"RDMA {H200['node_rdma_bytes_per_s'] / 1e9:.0f} GB/s per node; communication hidden up to "
+        f"{args.overlap:g} x compute; {per_device} examples per GPU; bf16 weight gathers, f32 gradient reductions."
+    )
+    print(
+        f"{'GPUs':>6} {'state/GPU GiB':>14} {'temp GiB':>9} {'fits':>5} {'compute s':>10} {'comm s':>8} "
+        f"{'step s':>8} {'examples/s':>11} {'scaling':>8}"
+    )
     rows = []
     base = None
     sizes = sorted(set(PROJECTED) | {args.devices})
     for gpus in sizes:
         mesh = abstract_mesh(MeshConfig(data=1, fsdp=gpus), gpus)
         placements = rt.parts.placements(mesh, rt.rules)
-        state = scaling.state_bytes(rt.abstract_state, state_shardings(rt.abstract_state, rt.parts, rt.tx, mesh, rt.rules))
+        state = scaling.state_bytes(
+            rt.abstract_state, state_shardings(rt.abstract_state, rt.parts, rt.tx, mesh, rt.rules)
+        )
         dev = state["per_device"]
         payload, analytic_wire_gpu = gpu_payload(rt.parts, mesh, remat, rt.rules)
         compute = flops_per_example * per_device / (H200["peak_flops"] * args.mfu)
@@ -121,42 +149,66 @@ def main(argv: list[str] | None = None) -> list[dict]:
         base = base or throughput / gpus
         state_per_device = dev["params"] + dev["frozen"] + dev["fp8"] + dev["opt_state"] + dev["ema"]
         device_bytes = state_per_device + fixed_device_bytes
-        cpu_wire = scaling.analytic_collectives(rt.parts, placements, mesh, remat=remat, rules=rt.rules,
-                                                gather_itemsize=lambda _: 4, reduce_itemsize=4)["total"]
+        cpu_wire = scaling.analytic_collectives(
+            rt.parts, placements, mesh, remat=remat, rules=rt.rules, gather_itemsize=lambda _: 4, reduce_itemsize=4
+        )["total"]
         row = {
-            "model": args.name, "devices": gpus, "compiled": False, "fsdp": gpus, "examples_per_device": per_device,
+            "model": args.name,
+            "devices": gpus,
+            "compiled": False,
+            "fsdp": gpus,
+            "examples_per_device": per_device,
             "param_bytes_per_device": dev["params"] + dev["frozen"] + dev["fp8"],
-            "opt_bytes_per_device": dev["opt_state"], "ema_bytes_per_device": dev["ema"],
+            "opt_bytes_per_device": dev["opt_state"],
+            "ema_bytes_per_device": dev["ema"],
             "temp_bytes_per_device": compiled["temp_bytes_per_device"],
-            "collective_bytes_per_device": cpu_wire, "analytic_collective_bytes_per_device": cpu_wire,
+            "collective_bytes_per_device": cpu_wire,
+            "analytic_collective_bytes_per_device": cpu_wire,
             "gpu_collective_bytes_per_device": analytic_wire_gpu,
-            "total_state_bytes": state_total, "fits_h200": device_bytes <= H200["memory_bytes"],
-            "device_bytes": device_bytes, "compute_s": compute, "comm_s": comm, "projected_step_s": step,
-            "examples_per_s": throughput, "scaling_efficiency": throughput / gpus / base,
+            "total_state_bytes": state_total,
+            "fits_h200": device_bytes <= H200["memory_bytes"],
+            "device_bytes": device_bytes,
+            "compute_s": compute,
+            "comm_s": comm,
+            "projected_step_s": step,
+            "examples_per_s": throughput,
+            "scaling_efficiency": throughput / gpus / base,
         }
         rows.append(row)
-        print(f"{gpus:>6} {state_per_device / 2**30:>14.3f} {compiled['temp_bytes_per_device'] / 2**30:>9.2f} "
-              f"{'yes' if row['fits_h200'] else 'no':>5} {compute:>10.3f} {comm:>8.3f} {step:>8.3f} "
-              f"{throughput:>11.1f} {row['scaling_efficiency']:>8.1%}")
+        print(
+            f"{gpus:>6} {state_per_device / 2**30:>14.3f} {compiled['temp_bytes_per_device'] / 2**30:>9.2f} "
+            f"{'yes' if row['fits_h200'] else 'no':>5} {compute:>10.3f} {comm:>8.3f} {step:>8.3f} "
+            f"{throughput:>11.1f} {row['scaling_efficiency']:>8.1%}"
+        )
     one_node = next((r for r in rows if r["devices"] == args.gpus_per_node), None)
     if args.round_node_hours and one_node:
         args.round_examples = args.round_node_hours * 3600 * one_node["examples_per_s"]
-        print(f"round: the {args.round_examples:.3g} examples one {args.gpus_per_node}-GPU node trains in "
-              f"{args.round_node_hours:g} h")
+        print(
+            f"round: the {args.round_examples:.3g} examples one {args.gpus_per_node}-GPU node trains in "
+            f"{args.round_node_hours:g} h"
+        )
     if args.round_examples:
         for row in rows:
-            print(f"a round of {args.round_examples:.3g} examples on {row['devices']} H200: "
-                  f"{args.round_examples / row['examples_per_s'] / 60:.1f} min "
-                  f"({math.ceil(args.round_examples / (per_device * row['devices']))} steps)")
+            print(
+                f"a round of {args.round_examples:.3g} examples on {row['devices']} H200: "
+                f"{args.round_examples / row['examples_per_s'] / 60:.1f} min "
+                f"({math.ceil(args.round_examples / (per_device * row['devices']))} steps)"
+            )
     compiled_row = dict(next(r for r in rows if r["devices"] == args.devices))
     compiled_row.update(
-        compiled=True, collective_bytes_per_device=compiled["collective_bytes_per_device"],
+        compiled=True,
+        collective_bytes_per_device=compiled["collective_bytes_per_device"],
         analytic_collective_bytes_per_device=compiled["analytic_collective_bytes_per_device"],
-        param_bytes_per_device=compiled["param_bytes_per_device"], opt_bytes_per_device=compiled["opt_bytes_per_device"],
-        temp_bytes_per_device=compiled["temp_bytes_per_device"], fits_h200=compiled["fits_h200"],
-        device_bytes=compiled["device_bytes"], compile_seconds=compiled["compile_seconds"],
-        peak_host_bytes=compiled["peak_host_bytes"], collectives=compiled["collectives"],
-        activation_bytes_per_example_cpu=compiled["activation_bytes_per_example_cpu"])
+        param_bytes_per_device=compiled["param_bytes_per_device"],
+        opt_bytes_per_device=compiled["opt_bytes_per_device"],
+        temp_bytes_per_device=compiled["temp_bytes_per_device"],
+        fits_h200=compiled["fits_h200"],
+        device_bytes=compiled["device_bytes"],
+        compile_seconds=compiled["compile_seconds"],
+        peak_host_bytes=compiled["peak_host_bytes"],
+        collectives=compiled["collectives"],
+        activation_bytes_per_example_cpu=compiled["activation_bytes_per_example_cpu"],
+    )
     rows.append(compiled_row)
     for row in rows:
         print(json.dumps(row))

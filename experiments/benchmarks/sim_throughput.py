@@ -18,9 +18,11 @@
 
 Prints every figure and the ratios from this one run.
 """
+
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 import types
 
@@ -77,8 +79,9 @@ def physics_steps(task: str, batch: int) -> dict[str, float]:
         if backend == "jax":
             actions = np.asarray(run(jax.random.key(0)).action)
             qpos0 = np.asarray(run(jax.random.key(0)).qpos[0])
-            mocap = np.asarray(jax.vmap(env.reset)(jax.random.split(jax.random.split(jax.random.key(0))[0],
-                                                                     batch)).data.mocap_pos)
+            mocap = np.asarray(
+                jax.vmap(env.reset)(jax.random.split(jax.random.split(jax.random.key(0))[0], batch)).data.mocap_pos
+            )
     # Plain MuJoCo, same worlds and actions, one after the other.
     task_obj = env.task
     model = task_obj.model
@@ -100,7 +103,7 @@ def numpy_ctrl(task: tasks_lib.Task, action: np.ndarray, ctrl: np.ndarray) -> np
     action = np.clip(action, low, high)
     ctrl = ctrl.copy()
     for i, lay in enumerate(task.layouts):
-        a = action[4 * i: 4 * i + 4]
+        a = action[4 * i : 4 * i + 4]
         ctrl[list(lay.ctrl)] = [a[0], a[1], a[2], a[3] * scenes.FINGER_OPEN, a[3] * scenes.FINGER_OPEN]
     return ctrl
 
@@ -126,7 +129,7 @@ def _per_env_renderer(env: env_lib.Env):
             return frames
 
         return render, "mujoco.Renderer (OpenGL)"
-    except Exception:  # noqa: BLE001 - no GL on this machine: fall back to a one-world batch renderer
+    except Exception:  # no GL on this machine: fall back to a one-world batch renderer
         renderer = env.renderer()
         jitted = jax.jit(lambda d: renderer(jax.tree.map(lambda x: x[None], d)))
         return (lambda model, data: jitted(mjx.put_data(model, data))), f"{renderer.kind} renderer, 1 world"
@@ -174,35 +177,48 @@ def main(argv=None) -> None:
     parser.add_argument("--physics-batch", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--baseline-episodes", type=int, default=4)
-    parser.add_argument("--policy", default=None, metavar="CKPT_DIR",
-                        help="a trained policy (load_policy); its image size replaces --image-size")
+    parser.add_argument(
+        "--policy",
+        default=None,
+        metavar="CKPT_DIR",
+        help="a trained policy (load_policy); its image size replaces --image-size",
+    )
     args = parser.parse_args(argv)
     bundle = None
     if args.policy:
         from embodied_jax import load_policy
 
         bundle = load_policy(args.policy)
-        args.image_size = bundle.data_config.image_size[0]
+        args.image_size = bundle.config.data.data.image_size[0]
     policy = "trivial stand-in" if bundle is None else f"{type(bundle.config.model).__name__} from {args.policy}"
     print(f"devices: {jax.devices()}  task: {args.task}  image {args.image_size}^2  policy: {policy}")
 
     steps = physics_steps(args.task, args.physics_batch)
-    print(f"\n[env steps/s, no policy, no rendering, B={args.physics_batch}, "
-          f"{tasks_lib.SUBSTEPS} physics steps per env step]")
+    print(
+        f"\n[env steps/s, no policy, no rendering, B={args.physics_batch}, "
+        f"{tasks_lib.SUBSTEPS} physics steps per env step]"
+    )
     for name, value in steps.items():
         print(f"  {name:8s} {value:10.1f} env-steps/s")
-    print(f"  ratio JAX/Warp {steps['jax'] / steps['warp']:.2f}   JAX/mj_step {steps['jax'] / steps['mj_step']:.2f}"
-          f"   Warp/mj_step {steps['warp'] / steps['mj_step']:.2f}")
+    print(
+        f"  ratio JAX/Warp {steps['jax'] / steps['warp']:.2f}   JAX/mj_step {steps['jax'] / steps['mj_step']:.2f}"
+        f"   Warp/mj_step {steps['warp'] / steps['mj_step']:.2f}"
+    )
 
     env = env_lib.Env(args.task, env_lib.EnvConfig(image_size=(args.image_size, args.image_size)))
-    act = trivial_policy(env) if bundle is None else bundle.act_fn(env.instruction)
+    if bundle is None:
+        act = trivial_policy(env)
+    else:
+        act_with, params = bundle.act_fn(env.instruction)
+        act = functools.partial(act_with, params)
     baseline, how = loop_episodes_per_s(env, args.baseline_episodes, act)
     horizon = HORIZON if bundle is None else bundle.config.model.action_horizon
     print(f"\n[closed-loop episodes/s with rendering, H={horizon}, k={EXECUTE}, cameras {env.cameras}]")
     print(f"  one env per loop (mj_step, batch-1 policy, {how}): {baseline:.3f} episodes/s")
     for batch in args.batches:
         rate, seconds = batched_episodes_per_s(env, batch, act)
-        print(f"  batched MJX B={batch:4d}: {rate:8.3f} episodes/s ({seconds:.2f} s)   ratio vs loop {rate / baseline:7.1f}x")
+        print(f"  batched MJX B={batch:4d}: {rate:8.3f} episodes/s ({seconds:.2f} s)", end="")
+        print(f"   ratio vs loop {rate / baseline:7.1f}x")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ device memory, and the arithmetic:
   ``limit_fraction`` = analytic_flops / median step / that rate;
 - on GPU, the model FLOPs utilisation against the device's peak.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -26,6 +26,7 @@ Export (``export_checkpoint``) writes the same layout tensor by tensor with a st
 safetensors writer (header first, then one tensor at a time); ignored tensors are copied only when
 ``like=`` names the original checkpoint, whose per-tensor dtypes are then kept as well.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,9 +48,18 @@ LAYER = "{layer}"
 _MAX_LISTED = 25
 
 _NP_TO_ST = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
 _ST_TO_NP = {v: k for k, v in _NP_TO_ST.items()}
 _NUMPY_NATIVE = {"F64", "F32", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL"}
@@ -176,16 +186,27 @@ def plan(layout: Layout, leaf_shapes: Mapping[str, tuple[int, ...]]) -> list[Ent
                 slot = (leaf, layer)
                 canonical = slot not in canonical_slots
                 canonical_slots.add(slot)
-                entries.append(Entry(rule.upstream.replace(LAYER, str(number)), leaf, layer, rule.transpose,
-                                     _upstream_shape(shape, rule.transpose), canonical))
+                entries.append(
+                    Entry(
+                        rule.upstream.replace(LAYER, str(number)),
+                        leaf,
+                        layer,
+                        rule.transpose,
+                        _upstream_shape(shape, rule.transpose),
+                        canonical,
+                    )
+                )
                 covered.add(leaf)
         elif rule.target in leaf_shapes:
             shape = tuple(leaf_shapes[rule.target])
             slot = (rule.target, None)
             canonical = slot not in canonical_slots
             canonical_slots.add(slot)
-            entries.append(Entry(rule.upstream, rule.target, None, rule.transpose,
-                                 _upstream_shape(shape, rule.transpose), canonical))
+            entries.append(
+                Entry(
+                    rule.upstream, rule.target, None, rule.transpose, _upstream_shape(shape, rule.transpose), canonical
+                )
+            )
             covered.add(rule.target)
     uncovered = sorted(k for k in set(leaf_shapes) - covered if not layout.is_model_only(k))
     if uncovered:
@@ -365,8 +386,9 @@ def import_checkpoint(src, layout: Layout, abstract_params: Any, shardings: Any 
     reader = CheckpointReader(src)
     chosen, ignored = check_checkpoint(reader, layout, entries)
     if ignored:
-        log.info("%s import: skipped %d tensor(s) on the ignore list: %s", layout.name, len(ignored),
-                 ", ".join(ignored))
+        log.info(
+            "%s import: skipped %d tensor(s) on the ignore list: %s", layout.name, len(ignored), ", ".join(ignored)
+        )
     by_leaf: dict[str, dict[int | None, Entry]] = {}
     for (leaf, layer), entry in chosen.items():
         by_leaf.setdefault(leaf, {})[layer] = entry
@@ -404,8 +426,11 @@ def _np_dtype(st_dtype: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, _ST_TO_NP[st_dtype], None) or _ST_TO_NP[st_dtype])
 
 
-def write_safetensors(path, tensors: list[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]],
-                      metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(
+    path,
+    tensors: list[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
     """Stream tensors into one safetensors file: (name, shape, st dtype, producer) each, produced one at a time."""
     header: dict[str, Any] = {}
     offset = 0
@@ -431,8 +456,9 @@ def write_safetensors(path, tensors: list[tuple[str, tuple[int, ...], str, Calla
     os.replace(tmp, path)
 
 
-def export_checkpoint(params: Any, layout: Layout, dst, *, like=None, dtype=None,
-                      metadata: Mapping[str, str] | None = None) -> Path:
+def export_checkpoint(
+    params: Any, layout: Layout, dst, *, like=None, dtype=None, metadata: Mapping[str, str] | None = None
+) -> Path:
     """Write ``params`` (nested dict / ``nnx.State`` of arrays) in the upstream layout to ``dst``.
 
     ``dst``: a ``.safetensors`` file or a directory (``model.safetensors`` inside). ``like``: the
@@ -450,6 +476,7 @@ def export_checkpoint(params: Any, layout: Layout, dst, *, like=None, dtype=None
             leaf = flat[entry.leaf]
             value = _host_value(leaf[entry.layer] if entry.layer is not None else leaf)
             return value.transpose(np.argsort(entry.transpose)) if entry.transpose is not None else value
+
         return produce
 
     tensors = []
@@ -464,8 +491,9 @@ def export_checkpoint(params: Any, layout: Layout, dst, *, like=None, dtype=None
     if like_reader is not None:
         for name in like_reader.names():
             if layout.is_ignored(name):
-                tensors.append((name, like_reader.shape(name), like_reader.dtype(name),
-                                lambda name=name: like_reader.read(name)))
+                tensors.append(
+                    (name, like_reader.shape(name), like_reader.dtype(name), lambda name=name: like_reader.read(name))
+                )
     dst = Path(dst)
     if dst.suffix != ".safetensors":
         dst = dst / "model.safetensors"

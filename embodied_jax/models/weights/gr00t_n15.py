@@ -15,13 +15,19 @@ both sides. DiT blocks: upstream block 2i is our ``transformer_blocks[i].cross_b
 2i+1 our ``.self_block`` (interleaved; otherwise ``transformer_blocks[i].block``).
 LoRA adapters have no upstream tensor and are left out of import and export.
 """
+
 from __future__ import annotations
 
 import re
 from typing import Any
 
 from embodied_jax.models.weights.common import (
-    LAYER, CheckpointReader, Layout, Rule, export_checkpoint, import_checkpoint,
+    LAYER,
+    CheckpointReader,
+    Layout,
+    Rule,
+    export_checkpoint,
+    import_checkpoint,
 )
 
 LAYOUTS = ("lerobot", "nvidia")
@@ -52,8 +58,11 @@ def _vision(p: str) -> list[Rule]:
         Rule(u + "embeddings.position_embedding.weight", t + "embeddings.position_embedding.embedding"),
         *_norm(layer_u + "layer_norm1", layer_t + "layer_norm1"),
         *_norm(layer_u + "layer_norm2", layer_t + "layer_norm2"),
-        *[r for n in ("q_proj", "k_proj", "v_proj", "out_proj")
-          for r in _linear(layer_u + "self_attn." + n, layer_t + "self_attn." + n)],
+        *[
+            r
+            for n in ("q_proj", "k_proj", "v_proj", "out_proj")
+            for r in _linear(layer_u + "self_attn." + n, layer_t + "self_attn." + n)
+        ],
         *_linear(layer_u + "mlp.fc1", layer_t + "mlp.fc1"),
         *_linear(layer_u + "mlp.fc2", layer_t + "mlp.fc2"),
         *_norm(u + "post_layernorm", t + "post_layernorm"),
@@ -68,12 +77,18 @@ def _language(p: str, layout: str) -> list[Rule]:
     layer_u, layer_t = u + f"model.layers.{LAYER}.", t + f"layers.{LAYER}."
     return [
         *((head, table) if layout == "lerobot" else (table, head)),  # first = written by export
-        *[r for n in ("q_proj", "k_proj", "v_proj", "o_proj")
-          for r in _linear(layer_u + "self_attn." + n, layer_t + "self_attn." + n, bias=False)],
+        *[
+            r
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+            for r in _linear(layer_u + "self_attn." + n, layer_t + "self_attn." + n, bias=False)
+        ],
         *_norm(layer_u + "self_attn.q_norm", layer_t + "self_attn.q_norm", bias=False),
         *_norm(layer_u + "self_attn.k_norm", layer_t + "self_attn.k_norm", bias=False),
-        *[r for n in ("gate_proj", "up_proj", "down_proj")
-          for r in _linear(layer_u + "mlp." + n, layer_t + "mlp." + n, bias=False)],
+        *[
+            r
+            for n in ("gate_proj", "up_proj", "down_proj")
+            for r in _linear(layer_u + "mlp." + n, layer_t + "mlp." + n, bias=False)
+        ],
         *_norm(layer_u + "input_layernorm", layer_t + "input_layernorm", bias=False),
         *_norm(layer_u + "post_attention_layernorm", layer_t + "post_attention_layernorm", bias=False),
         *_norm(u + "model.norm", t + "norm", bias=False),
@@ -106,17 +121,25 @@ def _action_head(p: str) -> list[Rule]:
         *_block(block_u, dit_t + f"transformer_blocks.{LAYER}.block.", ada=True),  # non-interleaved DiT
         *_linear(dit_u + "proj_out_1", dit_t + "proj_out_1"),
         *_linear(dit_u + "proj_out_2", dit_t + "proj_out_2"),
-        *_block(u + f"vl_self_attention.transformer_blocks.{LAYER}.",
-                t + f"vl_self_attention.transformer_blocks.{LAYER}.", ada=False),
+        *_block(
+            u + f"vl_self_attention.transformer_blocks.{LAYER}.",
+            t + f"vl_self_attention.transformer_blocks.{LAYER}.",
+            ada=False,
+        ),
         *_norm(u + "vlln", t + "vlln"),
         Rule(u + "future_tokens.weight", t + "future_tokens.embedding"),
         Rule(u + "position_embedding.weight", t + "position_embedding.embedding"),
     ]
-    for name, layers in (("state_encoder", ("layer1", "layer2")), ("action_encoder", ("W1", "W2", "W3")),
-                         ("action_decoder", ("layer1", "layer2"))):
+    for name, layers in (
+        ("state_encoder", ("layer1", "layer2")),
+        ("action_encoder", ("W1", "W2", "W3")),
+        ("action_decoder", ("layer1", "layer2")),
+    ):
         for layer in layers:
-            rules += [Rule(f"{u}{name}.{layer}.W", f"{t}{name}.{layer}.W"),
-                      Rule(f"{u}{name}.{layer}.b", f"{t}{name}.{layer}.b")]
+            rules += [
+                Rule(f"{u}{name}.{layer}.W", f"{t}{name}.{layer}.W"),
+                Rule(f"{u}{name}.{layer}.b", f"{t}{name}.{layer}.b"),
+            ]
     return rules
 
 
@@ -135,8 +158,10 @@ def detect_layout(src) -> str:
     names = CheckpointReader(src).names()
     prefixed = sum(n.startswith(PREFIXES["lerobot"]) for n in names)
     if prefixed and prefixed != len(names):
-        raise ValueError(f"{src}: {prefixed} of {len(names)} tensors carry the '_groot_model.' prefix; "
-                         "a GR00T checkpoint has it on all (lerobot) or none (nvidia)")
+        raise ValueError(
+            f"{src}: {prefixed} of {len(names)} tensors carry the '_groot_model.' prefix; "
+            "a GR00T checkpoint has it on all (lerobot) or none (nvidia)"
+        )
     return "lerobot" if prefixed else "nvidia"
 
 

@@ -6,6 +6,7 @@ embedding is tied to ``paligemma.lm_head.weight``, which is what ``save_model`` 
 holding ``language_model.embed_tokens.weight`` instead is accepted too. The action expert's
 ``lm_head`` is never used in forward and is on the ignore list.
 """
+
 from __future__ import annotations
 
 from embodied_jax.models.weights.common import Layout, Rule

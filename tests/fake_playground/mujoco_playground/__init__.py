@@ -6,6 +6,7 @@ Layout and names follow the real package (``registry.manipulation.ALL_ENVS``,
 rail in a model that the test writes into that menagerie directory. Tests copy this
 package into a temporary directory, so linking assets into it never touches the repo.
 """
+
 from mujoco_playground import manipulation, registry
 from mujoco_playground.mjx_env import State
 

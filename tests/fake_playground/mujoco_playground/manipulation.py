@@ -1,4 +1,5 @@
 """One manipulation env: drive a box along a rail onto a target marker."""
+
 import jax
 import jax.numpy as jnp
 import mujoco

@@ -1,4 +1,5 @@
 """Playground's environment state and where it expects menagerie assets."""
+
 import dataclasses
 import pathlib
 from typing import Any

@@ -1,4 +1,5 @@
 """Playground's registry: ``manipulation.ALL_ENVS`` and ``load``."""
+
 from mujoco_playground import manipulation
 
 ALL_ENVS = manipulation.ALL_ENVS

@@ -1,10 +1,11 @@
-"""A small flow-matching policy on synthetic data: the trainer's test model and interim demo.
+"""A small flow-matching policy on synthetic data: the trainer's test model (``toy`` experiments).
 
 The target action chunk is a fixed smooth function of the state, so the loss has
 something to learn. Flow matching follows the π0.5 convention (noise at t = 1, data at
 t = 0, velocity target ``noise - actions``). Its parameters carry logical axis names
 so every mesh layout of the trainer is exercised.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,27 +15,40 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from embodied_jax.config_registry import register
+from embodied_jax.nn.traced import module_fori_loop
+from embodied_jax.policy import PolicyConfig
+
 
 def _dense(din: int, dout: int, axes: tuple, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(
-        din, dout, rngs=rngs,
+        din,
+        dout,
+        rngs=rngs,
         kernel_metadata={"out_sharding": axes},
         bias_metadata={"out_sharding": (axes[1],)},
     )
 
 
 class ToyFlowPolicy(nnx.Module):
-    def __init__(self, config: "ToyFlowConfig", rngs: nnx.Rngs):
+    def __init__(self, config: ToyFlowConfig, rngs: nnx.Rngs):
         self.config = config
         c = config
         self.time_dim = c.width
         self.inp = _dense(c.horizon * c.action_dim + c.state_dim, c.width, (None, "embed"), rngs)
         self.time_proj = _dense(c.width, c.width, ("embed", "mlp"), rngs)
         self.time_out = _dense(c.width, c.width, ("mlp", "embed"), rngs)
-        self.blocks = nnx.List([
-            nnx.List([_dense(c.width, c.hidden, ("embed", "mlp"), rngs), _dense(c.hidden, c.width, ("mlp", "embed"), rngs)])
-            for _ in range(c.depth)
-        ])
+        self.blocks = nnx.List(
+            [
+                nnx.List(
+                    [
+                        _dense(c.width, c.hidden, ("embed", "mlp"), rngs),
+                        _dense(c.hidden, c.width, ("mlp", "embed"), rngs),
+                    ]
+                )
+                for _ in range(c.depth)
+            ]
+        )
         self.out = _dense(c.width, c.horizon * c.action_dim, ("embed", None), rngs)
 
     def velocity(self, state, x_t, t):
@@ -68,15 +82,16 @@ class ToyFlowPolicy(nnx.Module):
             noise = jax.random.normal(rng, (state.shape[0], c.horizon, c.action_dim))
         dt = 1.0 / num_steps
 
-        def euler(i, x):
+        def euler(i, policy, x):
             t = jnp.full((state.shape[0],), 1.0 - i * dt)
-            return x - dt * self.velocity(state, x, t)
+            return x - dt * policy.velocity(state, x, t)
 
-        return jax.lax.fori_loop(0, num_steps, euler, noise)
+        return module_fori_loop(self, num_steps, euler, noise)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class ToyFlowConfig:
+class ToyFlowConfig(PolicyConfig):
     state_dim: int = 8
     action_dim: int = 4
     horizon: int = 8

@@ -1,0 +1,80 @@
+"""Closed-loop evaluation of trained policies in batched MJX, during and after training.
+
+``SimEvaluation`` is an ``ExperimentConfig.evaluation``: at the run's first evaluation the
+trainer calls ``start``, which wraps the live model and the run's normalisation
+statistics in a ``PolicyBundle`` (the pre- and post-processing a robot runs) and
+compiles the evaluation program for the task's batched MJX environments once; the
+returned ``SimEvaluationRun`` is kept by the trainer for the run and only passes new
+weights on later calls. ``evaluator(bundle)`` builds the same program for a loaded
+policy (the demo's final evaluation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+from flax import nnx
+
+from embodied_jax.bundle import PolicyBundle
+from embodied_jax.config_registry import register
+from embodied_jax.parallel.mesh import MeshConfig, make_mesh
+from embodied_jax.train.config import Evaluation
+
+if TYPE_CHECKING:
+    from embodied_jax.sim import Evaluator
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SimEvaluation(Evaluation):
+    task: str = "reach"
+    num_envs: int = 32
+    execute_steps: int = 5
+    image_size: tuple[int, int] = (32, 32)
+    seed: int = 0
+
+    def evaluator(self, bundle: PolicyBundle, *, num_videos: int = 0, mesh=None) -> tuple[Evaluator, Any]:
+        """``(evaluator, params)`` of ``bundle`` on the task; ``mesh``: split the environments
+        over its ``data`` axis (see ``sim.Evaluator``)."""
+        from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator  # MJX: imported when first used
+
+        env = Env(self.task, EnvConfig(image_size=tuple(self.image_size)))
+        act, params = bundle.act_fn(env.instruction)
+        config = EvalConfig(
+            num_envs=self.num_envs, execute_steps=self.execute_steps, num_videos=num_videos, seed=self.seed
+        )
+        return Evaluator(env, act, config, mesh=mesh), params
+
+    def start(self, model: Any, *, config: Any, norm_stats: Mapping[str, Any] | None) -> SimEvaluationRun:
+        """Called by the trainer inside its mesh: on one device the evaluation runs as is; on
+        several, its environments are split over the mesh's ``data`` axis like the batch."""
+        mesh = make_mesh(config.mesh)
+        bundle = PolicyBundle(config, model, norm_stats, step=0)
+        # The simulator's constants are made on one device, outside the trainer's mesh.
+        with jax.set_mesh(make_mesh(MeshConfig(data=-1), jax.local_devices()[:1])):
+            evaluator, _ = self.evaluator(bundle, mesh=mesh if mesh.size > 1 else None)
+        return SimEvaluationRun(self, evaluator)
+
+
+class SimEvaluationRun:
+    """One training run's compiled evaluation: ``run(model, step) -> metrics``."""
+
+    def __init__(self, evaluation: SimEvaluation, evaluator: Evaluator):
+        self.evaluation = evaluation
+        self.evaluator = evaluator
+
+    def __call__(self, model: Any, step: int) -> dict[str, float]:
+        params = nnx.state(model)
+        if self.evaluator.mesh is None:
+            # One device: the MJX renderer is a custom call that SPMD partitioning cannot place.
+            params = jax.device_put(params, jax.local_devices()[0])
+        metrics = self.evaluator(jax.random.key(self.evaluation.seed), params=params)
+        task = self.evaluation.task
+        return {
+            f"{task}/success_rate": metrics["success_rate"],
+            f"{task}/mean_episode_length": metrics["mean_episode_length"],
+            f"{task}/mean_reward": metrics["mean_reward"],
+        }
