@@ -1,4 +1,4 @@
-"""π0.5 experiments: full size, the CPU benchmark model (issue spec) and a tiny one for tests/demo.
+"""π0.5 experiments: full size, the CPU benchmark model (LeRobot's anchor sizes) and a tiny one for tests.
 
 ``pi05_model()``, ``bench_model()`` and ``tiny_model()`` return the model configs alone
 (benchmarks and tests use them); the registered experiments wrap them with training settings.

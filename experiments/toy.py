@@ -1,4 +1,4 @@
-"""Experiments with the toy flow-matching policy on synthetic data (trainer tests, interim demo)."""
+"""Experiments with the toy flow-matching policy on synthetic data (the trainer's tests, dry-run checks)."""
 
 from __future__ import annotations
 

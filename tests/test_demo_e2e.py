@@ -97,7 +97,7 @@ def test_serving_applies_the_pipelines_sample_transform(demo_run):
     bundle = load_policy(demo_run)
     data = bundle.config.data
     samples, _, _ = build_dataset(
-        data.data,
+        dataclasses.replace(data.data, sources=data.sources),
         process_index=0,
         process_count=1,
         seed=0,

@@ -37,7 +37,7 @@ def test_composite_axes_become_prime_parts():
 
 @pytest.mark.parametrize("devices", [64, 256, 1024])
 def test_gr00t_embodiment_weight_shards_where_it_can(devices):
-    # The failure of issue 11: W[32 slots, 32, 1536] with embed=32 on a 64+ device fsdp axis.
+    # W[32 slots, 32, 1536] with embed=32 on a 64+ device fsdp axis: it must still shard.
     mesh = abstract_mesh(MeshConfig(data=1, fsdp=-1), devices)
     placement = partition.place((32, 32, 1536), ("embodiments", "embed", "mlp"), mesh, fill=FILL)
     assert _shards(placement.spec, mesh) == devices  # all of fsdp

@@ -292,3 +292,37 @@ def test_in_training_evaluation_sees_the_ema_weights(tmp_path):
     assert not np.allclose(ema, raw)
     assert any(h.get("eval/score") == 2.0 for h in result.history)
     assert _RECORDED["starts"] == 1 and 1 in _RECORDED  # started once, kept for the run
+
+
+def test_cli_shortcuts_reach_the_nested_fields(capsys):
+    config = launch.parse(
+        [
+            "pi05_finetune",
+            "--data.root",
+            "/data/libero",
+            "--coordinator",
+            "10.0.0.1:1234",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+            "--train.steps",
+            "7",
+        ]
+    )
+    assert config.data.root == "/data/libero"
+    assert [s.root for s in config.data.sources] == ["/data/libero"] and config.data.data.sources == ()
+    assert (config.distributed.coordinator, config.distributed.num_processes, config.distributed.process_id) == (
+        "10.0.0.1:1234",
+        2,
+        1,
+    )
+    assert config.train.steps == 7
+    with pytest.raises(SystemExit):
+        launch.parse(["toy", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--coordinator", "--num-processes", "--process-id"):
+        assert flag in out
+    with pytest.raises(SystemExit):
+        launch.parse(["pi05_finetune", "--help"])
+    assert "--data.root" in capsys.readouterr().out

@@ -22,7 +22,7 @@ from embodied_jax.models.weights.gr00t_n15 import detect_layout, export_params, 
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
 
-# copy of shared/reference/groot_n15_params.tsv (LeRobot GrootPolicy state_dict, N1.5 architecture)
+# LeRobot GrootPolicy state_dict names and shapes (N1.5 architecture)
 TSV = Path(__file__).resolve().parent / "data" / "groot_n15_params.tsv"
 TINY = Gr00tConfig(
     vision=SiglipConfig(width=16, depth=2, num_heads=2, mlp_dim=24, patch_size=14, image_size=28),

@@ -1,4 +1,4 @@
-"""π0.5 checkpoint import/export against LeRobot's naming (shared/reference/pi05_params.tsv).
+"""π0.5 checkpoint import/export against LeRobot's naming (tests/data/pi05_params.tsv).
 
 - Every TSV row (minus the ignore list) is a leaf slot of identical shape under ``eval_shape`` of
   the full config, and every leaf maps back to a row, for scanned and unscanned stacks; the
@@ -34,7 +34,7 @@ from embodied_jax.models.weights.pi05 import PI05_LAYOUT
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
 
-# A copy of shared/reference/pi05_params.tsv (LeRobot PI05Policy state_dict names and shapes).
+# LeRobot PI05Policy state_dict names and shapes.
 TSV = Path(__file__).resolve().parent / "data" / "pi05_params.tsv"
 EXPERT_LM_HEAD = "model.paligemma_with_expert.gemma_expert.lm_head.weight"
 

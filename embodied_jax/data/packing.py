@@ -134,21 +134,21 @@ class _FinishRow:
     with_images: bool
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
-        cfg = self.config
-        key0 = cfg.token_keys[0]
+        config = self.config
+        key0 = config.token_keys[0]
         out: dict[str, Any] = {}
-        for key, dtype in zip(cfg.token_keys, self.token_dtypes, strict=True):
+        for key, dtype in zip(config.token_keys, self.token_dtypes, strict=True):
             out[key] = np.asarray(row[key]).astype(dtype)
         segment_ids = np.asarray(row[f"{key0}_segment_ids"], np.int32)
         out[SEGMENT_IDS] = segment_ids
         out[POSITIONS] = np.asarray(row[f"{key0}_positions"], np.int32)
-        packed = set(cfg.token_keys)
+        packed = set(config.token_keys)
         if self.with_images:
-            out[cfg.image_key] = np.asarray(row[cfg.image_key])
-            out[IMAGE_SEGMENT_IDS] = np.asarray(row[f"{cfg.image_key}_segment_ids"], np.int32)
-            packed.add(cfg.image_key)
+            out[config.image_key] = np.asarray(row[config.image_key])
+            out[IMAGE_SEGMENT_IDS] = np.asarray(row[f"{config.image_key}_segment_ids"], np.int32)
+            packed.add(config.image_key)
         count = int(segment_ids.max(initial=0))
-        capacity = cfg.max_samples_per_row
+        capacity = config.max_samples_per_row
         for key, values in row.items():
             if key in packed or key.endswith("_segment_ids") or key.endswith("_positions"):
                 continue

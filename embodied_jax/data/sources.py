@@ -56,15 +56,16 @@ class LeRobotData(DataSource):
     root: str | None = None  # one dataset directory: shorthand for data.sources = (SourceConfig(root),)
 
     def __post_init__(self):
-        if self.root is None:
-            return
-        single = (SourceConfig(self.root),)
-        if self.data.sources not in ((), single):
+        if self.root is not None and self.data.sources:
             raise ValueError(
                 f"LeRobotData: give either root={self.root!r} (--data.root) or data.sources "
                 f"({len(self.data.sources)} sources), not both"
             )
-        object.__setattr__(self, "data", dataclasses.replace(self.data, sources=single))
+
+    @property
+    def sources(self) -> tuple[SourceConfig, ...]:
+        """The datasets read: ``(SourceConfig(root),)`` or ``data.sources``."""
+        return (SourceConfig(self.root),) if self.root is not None else self.data.sources
 
     def make_iterator(
         self, *, model: PolicyConfig, process_index: int, process_count: int, batch_size: int, seed: int
@@ -78,7 +79,7 @@ class LeRobotData(DataSource):
         else:
             builder = model.input_builder()
         return make_data_iterator(
-            self.data,
+            dataclasses.replace(self.data, sources=self.sources),
             process_index=process_index,
             process_count=process_count,
             batch_size=batch_size // process_count,

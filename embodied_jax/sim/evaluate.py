@@ -137,10 +137,10 @@ class Evaluator:
 
     def _local_rollout(self, reset_keys: jax.Array, policy_key: jax.Array, params) -> EvalRollout:
         """Evaluate ``reset_keys.shape[0]`` worlds (one shard)."""
-        env, cfg = self.env, self.config
-        k, num_videos = cfg.execute_steps, cfg.num_videos
+        env, config = self.env, self.config
+        k, num_videos = config.execute_steps, config.num_videos
         if self.mesh is not None:
-            policy_key = jax.random.fold_in(policy_key, jax.lax.axis_index(cfg.data_axis))
+            policy_key = jax.random.fold_in(policy_key, jax.lax.axis_index(config.data_axis))
         states = jax.vmap(env.reset)(reset_keys)
         batch = reset_keys.shape[0]
 
@@ -148,7 +148,7 @@ class Evaluator:
             if num_videos == 0:
                 return jnp.zeros((0, 1, 1, 3), jnp.uint8)
             sub = jax.tree.map(lambda x: x[:num_videos], states)
-            return self._images(sub, (cfg.video_camera,))[cfg.video_camera]
+            return self._images(sub, (config.video_camera,))[config.video_camera]
 
         def replan(carry, r):
             states = carry
@@ -184,15 +184,15 @@ class Evaluator:
     def _program(self, with_params: bool):
         if with_params in self._compiled:
             return self._compiled[with_params]
-        cfg, mesh = self.config, self.mesh
+        config, mesh = self.config, self.mesh
 
         def program(rng, params):
             # Same episode keys as rollout.make_rollout(env, ..., batch=num_envs)(rng).
             k_reset, k_policy = jax.random.split(rng)
-            reset_keys = jax.random.split(k_reset, cfg.num_envs)
+            reset_keys = jax.random.split(k_reset, config.num_envs)
             if mesh is None:
                 return self._local_rollout(reset_keys, k_policy, params)
-            ax = cfg.data_axis
+            ax = config.data_axis
             # Size-1 axes are manual too: host callbacks in the policy (e.g. a policy bundle's
             # preprocessing) need every mesh axis manual, and a size-1 axis loses nothing.
             manual = {ax} | {name for name, size in mesh.shape.items() if size == 1}

@@ -9,8 +9,8 @@ instead of letting Playground try to download.
 :class:`PlaygroundEnv` exposes the same interface as :class:`~embodied_jax.sim.env.Env`
 (``reset``/``step`` on one world, ``observe``/``render`` on a batch), so the batched
 evaluator runs it unchanged. Physics uses MJX's Warp backend by default: these robots
-are mesh-heavy, and the JAX backend compiles and steps them far too slowly on CPU
-(see ``shared/NOTES.md``). Images come from the Warp batch renderer; the ray-caster
+are mesh-heavy, and the JAX backend compiles and steps them far too slowly on CPU.
+Images come from the Warp batch renderer; the ray-caster
 draws primitive geoms only.
 """
 

@@ -127,7 +127,7 @@ def report(
     rt: Runtime, compile: bool = False, out=print, gpu_memory_gb: float | None = None, show_config: bool = True
 ) -> dict[str, Any]:
     s, sh = rt.abstract_state, rt.shardings
-    cfg = rt.config
+    config = rt.config
     counts = parameter_counts({"params": s.params, "frozen": s.frozen})
     per_module: dict[str, int] = defaultdict(int)
     for tree in (s.params, s.frozen):
@@ -141,7 +141,7 @@ def report(
     fsdp = axis_size(rt.mesh, "fsdp")
     if show_config:
         out("config:")
-        out(json.dumps(to_dict(cfg), indent=2))
+        out(json.dumps(to_dict(config), indent=2))
     out(f"mesh: {describe_mesh(rt.mesh)}")
     out("parameters per module:")
     for name, n in sorted(per_module.items()):
@@ -161,7 +161,7 @@ def report(
     for path, shape, spec, why in moved:
         out(f"  {path} {list(shape)} -> {spec}: {why}")
     dp = data_parallel_size(rt.mesh, rt.rules)
-    micro = cfg.train.batch_size // cfg.train.grad_accum_steps
+    micro = config.train.batch_size // config.train.grad_accum_steps
     result: dict[str, Any] = {
         "parameters": sum(counts.values()),
         "trainable_parameters": counts.get("params", 0),
@@ -186,9 +186,9 @@ def report(
 
 
 def _compiled_report(rt: Runtime, out, micro: int, dp: int, state, gpu_memory_gb) -> dict[str, Any]:
-    cfg = rt.config
+    config = rt.config
     backend = jax.default_backend()
-    compiled, seconds, live_text = compile_step(rt, cfg.train.batch_size)
+    compiled, seconds, live_text = compile_step(rt, config.train.batch_size)
     mem = memory_analysis(compiled)
     out(f"compiled train step on {backend} in {seconds:.1f} s")
     out(
@@ -220,8 +220,8 @@ def _compiled_report(rt: Runtime, out, micro: int, dp: int, state, gpu_memory_gb
         "flops_per_device": flops,
     }
 
-    policy = cfg.model.remat_policy
-    kept = scaling.activation_bytes(rt.parts, cfg.model)
+    policy = config.model.remat_policy
+    kept = scaling.activation_bytes(rt.parts, config.model)
     per_example = sum(kept.values())
     stored = scaling.stored_on_cpu(kept)
     examples = micro / dp
@@ -271,7 +271,7 @@ def _compiled_report(rt: Runtime, out, micro: int, dp: int, state, gpu_memory_gb
     if gpu_memory_gb:
         # A second compile at a larger per-device batch (at least 8 examples more: XLA's buffer
         # assignment moves by more than one small example's activations) for the slope.
-        per_device = cfg.train.batch_size / dp
+        per_device = config.train.batch_size / dp
         larger = max(2 * per_device, per_device + 8)
         second, extra_seconds, _ = compile_step(rt, int(larger * dp))
         at = {per_device: device_bytes(mem), larger: device_bytes(memory_analysis(second))}
@@ -280,13 +280,13 @@ def _compiled_report(rt: Runtime, out, micro: int, dp: int, state, gpu_memory_gb
             state_total=sum(state["total"].values()),
             state_per_device=sum(dev.values()),
             gpu_bytes=gpu_memory_gb * 1e9,
-            global_examples=cfg.train.batch_size,
+            global_examples=config.train.batch_size,
         )
         out(
             f"memory plan for {gpu_memory_gb:g} GB GPUs (from a second compile at {larger:g} examples per device, "
             f"{extra_seconds:.1f} s): {_gib(plan['bytes_per_example'])} per example, {_gib(plan['fixed_bytes'])} "
             f"fixed; at most {plan['max_examples_per_device']} examples per device on this mesh; "
-            f"train.batch_size={cfg.train.batch_size} needs at least {plan['devices_needed']} GPUs"
+            f"train.batch_size={config.train.batch_size} needs at least {plan['devices_needed']} GPUs"
         )
         result["memory_plan"] = plan
     return result

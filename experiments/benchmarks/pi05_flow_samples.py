@@ -75,8 +75,8 @@ def main(argv=None) -> None:
     time_ = rng.uniform(0.001, 1.0, (args.batch,)).astype(np.float32)
     results = {}
     for k in (1, args.draws):
-        cfg = dataclasses.replace(base, flow_samples_per_obs=k)
-        results[k] = run(cfg, batches, (held, noise, time_), args.steps, mesh)
+        config = dataclasses.replace(base, flow_samples_per_obs=k)
+        results[k] = run(config, batches, (held, noise, time_), args.steps, mesh)
         print(f"K={k}: {results[k][0]:.3f} observations/s, held-out loss after {args.steps} steps {results[k][1]:.4f}")
     (eps1, loss1), (epsk, lossk) = results[1], results[args.draws]
     print(

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         show_config=False,
         out=lambda line: None if line.startswith("dry-run summary") else print(line),
     )
-    remat = getattr(config.model, "remat_policy", "none") != "none"
+    remat = config.model.remat_policy != "none"
     flops_per_example = compiled["flops_per_device"] / per_device
     fixed_device_bytes = compiled["device_bytes"] - (
         compiled["param_bytes_per_device"] + compiled["opt_bytes_per_device"] + compiled["ema_bytes_per_device"]

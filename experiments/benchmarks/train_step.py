@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse(rest)
     distributed.initialize(config.distributed)
     rt = build(config)
-    cfg = config.train
-    batches = [config.model.synthetic_batch(cfg.batch_size, seed=i) for i in range(2)]
+    train = config.train
+    batches = [config.model.synthetic_batch(train.batch_size, seed=i) for i in range(2)]
     tokens = float(np.sum(batches[0]["token_mask"])) if "token_mask" in batches[0] else 0.0
     rate_before = matmul_flops_per_s()
     with rt.context():
@@ -131,16 +131,16 @@ def main(argv: list[str] | None = None) -> dict:
         "experiment": config.name,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
-        "batch_size": cfg.batch_size,
+        "batch_size": train.batch_size,
         "median_step_s": median,
-        "examples_per_s": cfg.batch_size / median,
+        "examples_per_s": train.batch_size / median,
         "tokens_per_s": tokens / median if tokens else None,
         "compile_s": compile_s,
         "loss": float(metrics["loss"]),
         "peak_host_bytes": peak_host_bytes(),
         "peak_device_bytes": peak_device_bytes() if jax.default_backend() != "cpu" else None,
     }
-    if hasattr(config.model, "training_flops"):
+    if config.model.training_flops(batches[0]) is not None:
         # the rate is measured before and after the steps; the higher one (the machine's best
         # demonstrated rate) makes the limit, so a noisy measurement never inflates the fraction
         rates = (rate_before, matmul_flops_per_s())

@@ -1,6 +1,6 @@
 """The LeRobot π0.5 checkpoint layout (``model.safetensors`` of ``PI05Policy``) <-> ``Pi05Policy``.
 
-Upstream names are listed in ``shared/reference/pi05_params.tsv``. PyTorch ``Linear`` weights are
+Upstream names are listed in ``tests/data/pi05_params.tsv``. PyTorch ``Linear`` weights are
 [out, in] (ours: [in, out]), ``Conv2d`` is [out, in, kh, kw] (ours: [kh, kw, in, out]). The token
 embedding is tied to ``paligemma.lm_head.weight``, which is what ``save_model`` keeps; a file
 holding ``language_model.embed_tokens.weight`` instead is accepted too. The action expert's
