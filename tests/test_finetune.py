@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import pytest
 
-from embodied_jax.data.pipeline import SourceConfig
 from embodied_jax.data.writer import write_lerobot_dataset
 from embodied_jax.models import convert
 from embodied_jax.parallel.mesh import MESH_AXES, MeshConfig
@@ -79,9 +78,9 @@ def _finetune(base, model, dataset, workdir, init_from):
         workdir=str(workdir),
         data=dataclasses.replace(
             data,
+            root=str(dataset),  # --data.root
             data=dataclasses.replace(
                 data.data,
-                sources=(SourceConfig(str(dataset)),),
                 image_size=(IMAGE, IMAGE),
                 spec=dataclasses.replace(data.data.spec, action_horizon=HORIZON),
             ),
