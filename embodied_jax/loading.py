@@ -36,7 +36,7 @@ def load_policy(
         path = path / "checkpoints"
     if not path.is_dir():
         raise FileNotFoundError(f"{ckpt_dir}: no such checkpoint directory")
-    ckpt = Checkpointer(path, CheckpointConfig(async_save=False))
+    ckpt = Checkpointer(path, CheckpointConfig(async_save=False), read_only=True)  # never touches a live run
     try:
         step = ckpt.latest_step() if step is None else step
         if step is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 
 import tyro
 
@@ -33,6 +34,30 @@ def parse(argv: list[str]):
     )
 
 
+def input_errors() -> tuple[type[Exception], ...]:
+    """The project's errors that mean bad input: one line (``error: ...``, exit status 2), the
+    traceback only with ``--verbose``."""
+    from embodied_jax.config_registry import ConfigFormatError
+    from embodied_jax.data.framestore import FrameStoreError
+    from embodied_jax.data.lerobot import DatasetError
+    from embodied_jax.data.video import VideoDecodeError
+    from embodied_jax.models.weights.common import WeightMismatchError
+    from embodied_jax.parallel.virtual_devices import VirtualDevicesError
+    from embodied_jax.train.loop import ConfigError
+    from embodied_jax.train.run_lock import RunLockedError
+
+    return (
+        ConfigError,
+        ConfigFormatError,
+        DatasetError,
+        FrameStoreError,
+        VideoDecodeError,
+        WeightMismatchError,
+        VirtualDevicesError,
+        RunLockedError,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     # The project's own INFO lines; other libraries' warnings and errors. absl (Orbax's logger)
     # warns about its own type-handler registry on every start: errors only.
@@ -41,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)
     config = parse(sys.argv[1:] if argv is None else argv)
 
-    from embodied_jax.parallel.virtual_devices import VirtualDevicesError, use_virtual_devices
+    from embodied_jax.parallel.virtual_devices import use_virtual_devices
     from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build
 
     try:
@@ -57,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         if config.compile or config.gpu_memory_gb:
             raise ConfigError("compile: --compile and --gpu-memory-gb only apply together with --dry-run")
         return config.run()  # training, or an experiment's steps around it (the demo)
-    except (ConfigError, VirtualDevicesError) as e:
+    except input_errors() as e:
+        if config.verbose:
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -118,6 +119,20 @@ def test_serving_applies_the_pipelines_sample_transform(demo_run):
                     np.testing.assert_array_equal(image[0], trained[key][cam], err_msg=f"{key}/{cam}")
             else:
                 np.testing.assert_array_equal(value[0], trained[key], err_msg=key)
+
+
+def test_load_policy_leaves_a_live_runs_checkpoints_alone(demo_run):
+    """A reader never cleans up: another writer's in-flight save (Orbax's temporary directory) survives."""
+    from embodied_jax import load_policy
+
+    in_flight = demo_run / "checkpoints" / "6.orbax-checkpoint-tmp-1234"
+    (in_flight / "state").mkdir(parents=True)
+    before = sorted(p.relative_to(demo_run) for p in (demo_run / "checkpoints").rglob("*"))
+    try:
+        assert load_policy(demo_run).step == 4
+        assert sorted(p.relative_to(demo_run) for p in (demo_run / "checkpoints").rglob("*")) == before
+    finally:
+        shutil.rmtree(in_flight)
 
 
 def test_predict_draws_fresh_noise_unless_given_an_rng(demo_run):

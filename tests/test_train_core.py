@@ -122,21 +122,26 @@ class NaNAfter(SyntheticData):
         return It()
 
 
-def test_consecutive_non_finite_steps_stop_with_checkpoint(tmp_path):
-    config = toy_config(tmp_path, steps=50, checkpoint=True, max_consecutive_skips=4)
-    config = dataclasses.replace(config, data=NaNAfter(start=3))
-    with pytest.raises(loop.NonFiniteLossError, match="4 consecutive non-finite steps ending at step 7"):
-        loop.train(config)
+def test_consecutive_non_finite_steps_stop_without_losing_the_good_checkpoint(tmp_path):
+    """Batches turn NaN from batch 3 on: step 2's save stays the newest checkpoint (the saves at
+    4 and 6 fall in the skipped streak and are not made), the stopping state goes aside
+    (``checkpoints/nonfinite-<step>``), and the next launch resumes from step 2."""
     from embodied_jax.train.checkpoint import Checkpointer
 
-    ckpt = Checkpointer(tmp_path / "checkpoints", config.checkpoint)
-    saved = ckpt.latest_step()
-    assert saved is not None and saved >= 7
+    config = toy_config(tmp_path, steps=50, checkpoint=True, save_every=2, max_consecutive_skips=4)
+    config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, keep_last=1))
+    with pytest.raises(loop.NonFiniteLossError, match="ending at step 7; newest good checkpoint: step 2") as info:
+        loop.train(dataclasses.replace(config, data=NaNAfter(start=3)))
+    aside = [p.name for p in (tmp_path / "checkpoints").glob("nonfinite-*")]
+    assert len(aside) == 1 and aside[0] in str(info.value)
+    ckpt = Checkpointer(tmp_path / "checkpoints", config.checkpoint, read_only=True)
+    assert ckpt.all_steps() == [2]
     rt = loop.build(config)
     state, _ = ckpt.restore(rt.abstract_state, rt.shardings)
-    assert int(state.total_skips) >= 4
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+    assert int(state.total_skips) == 0
     ckpt.close()
+    resumed = loop.train(replace_train(dataclasses.replace(config, data=NaNAfter(start=100)), steps=4))
+    assert resumed.restored_from == 2 and resumed.final_step == 4
 
 
 @pytest.mark.parametrize(

@@ -204,7 +204,7 @@ def test_iterator_state_and_process_count(tmp_path, dataset):
             next(it)
             (saved / f"process_{index}-of-2.json").write_text(json.dumps(it.get_state()))
     with make_data_iterator(_data_config(dataset), process_index=0, process_count=1, batch_size=4, seed=0) as it:
-        with pytest.raises(FileNotFoundError, match="written by 2 processes, not the 1 running now"):
+        with pytest.raises(ValueError, match="written by 2 processes, not the 1 running now"):
             handler.restore(saved, IteratorRestore(it))
     for index in range(2):
         (saved / f"process_{index}-of-2.json").write_text(json.dumps({"next_batch": 7}))

@@ -15,6 +15,10 @@ from typing import Any
 from embodied_jax.data.stats import FeatureStats
 
 
+class IteratorStateMismatch(ValueError):
+    """A saved iterator position made by another pipeline (batch size, seed, process layout)."""
+
+
 class BatchIterator(abc.ABC):
     # True when the state does not depend on the process layout, so a checkpoint restores
     # under another number of processes (``train.checkpoint``).

@@ -31,7 +31,7 @@ import numpy as np
 
 from embodied_jax.config_registry import register
 from embodied_jax.data.framestore import FrameStore
-from embodied_jax.data.iterator import BatchIterator
+from embodied_jax.data.iterator import BatchIterator, IteratorStateMismatch
 from embodied_jax.data.lerobot import LeRobotDataset
 from embodied_jax.data.packing import PackingConfig, pack
 from embodied_jax.data.sample_transform import ModelInputs, SampleTransform
@@ -237,7 +237,7 @@ class DataIterator(BatchIterator):
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a data iterator state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
         if state.get("pipeline") != self.description:
-            raise ValueError(
+            raise IteratorStateMismatch(
                 f"iterator state was saved by a different pipeline: {state.get('pipeline')} vs {self.description}"
             )
         self._iterator.set_state(_from_json(state["grain"]))

@@ -19,11 +19,18 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
+from embodied_jax.data.iterator import IteratorStateMismatch
 from embodied_jax.train.config import CheckpointConfig
+from embodied_jax.train.optimizer import path_str
 from embodied_jax.train.state import TrainState
 
 log = logging.getLogger(__name__)
+
+
+class StateMismatchError(ValueError):
+    """A checkpoint's train state does not fit the run's (architecture, frozen set, optimizer)."""
 
 
 class IteratorStateHandler(ocp.CheckpointHandler):
@@ -51,7 +58,7 @@ class IteratorStateHandler(ocp.CheckpointHandler):
                 raise FileNotFoundError(f"{directory}: the checkpoint holds no data-iterator state")
             if not args.iterator.layout_independent_state:
                 counts = sorted({n.rsplit("-of-", 1)[1].removesuffix(".json") for n in written})
-                raise FileNotFoundError(
+                raise IteratorStateMismatch(
                     f"{path}: no data-iterator state for this process; the checkpoint was written by "
                     f"{' and '.join(counts)} processes, not the {jax.process_count()} running now, and a data "
                     f"pipeline's position is per process: it resumes only with the same number of processes"
@@ -116,15 +123,25 @@ def _single_process_array_writes() -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | pathlib.Path, config: CheckpointConfig):
+    """The run's checkpoint directory. ``read_only``: a reader (``load_policy``, evaluation) that
+    never creates, deletes or cleans up anything, so it cannot disturb a live run's save."""
+
+    def __init__(self, directory: str | pathlib.Path, config: CheckpointConfig, *, read_only: bool = False):
         _single_process_array_writes()
         self.directory = pathlib.Path(directory).absolute()
+        self.read_only = read_only
+        if read_only and not self.directory.is_dir():
+            raise FileNotFoundError(f"{self.directory}: no such checkpoint directory")
+        self.keep_last, self.keep_every = config.keep_last, config.keep_every
+        # Rotation is ``prune``'s, called by the trainer once a save's weights proved finite: a
+        # save that turns out non-finite never rotates out a good one.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.keep_last,
-            keep_period=config.keep_every,
-            enable_async_checkpointing=config.async_save,
-            cleanup_tmp_directories=True,
-            create=True,
+            max_to_keep=None,
+            enable_async_checkpointing=config.async_save and not read_only,
+            # A writer removes the temporary directories its own killed saves left behind.
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
         )
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -164,18 +181,117 @@ class Checkpointer:
     def restore(
         self, abstract_state: TrainState, shardings: TrainState, *, step: int | None = None, iterator: Any = None
     ) -> tuple[TrainState, dict]:
-        """Restore onto the shardings given (any mesh); returns (state, norm_stats)."""
+        """Restore onto the shardings given (any mesh); returns (state, norm_stats).
+
+        A state tree that differs from the saved one (another architecture, frozen set or
+        optimizer) is a ``StateMismatchError`` naming the leaves, raised before anything is read.
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         target = _abstract(_state_dict(abstract_state), _state_dict(shardings))
-        items = {"state": ocp.args.StandardRestore(target), "norm_stats": ocp.args.JsonRestore()}
+        self._check_tree(step, target)
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), norm_stats=ocp.args.JsonRestore())
+        )
         if iterator is not None:
-            items["data"] = IteratorRestore(iterator)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            self.manager.restore(step, args=ocp.args.Composite(data=IteratorRestore(iterator)))
         values = dict(restored["state"])
         state = TrainState(**{k: values.get(k) for k in vars(abstract_state)})
         return state, dict(restored["norm_stats"] or {})
+
+    def _check_tree(self, step: int, target: dict) -> None:
+        # Saved metadata names NamedTuple fields as dict keys: compare paths as "a/b/0/c".
+        saved = {
+            path_str(path): (tuple(m.shape), str(m.dtype))
+            for path, m in jax.tree_util.tree_flatten_with_path(self.manager.item_metadata(step)["state"])[0]
+        }
+        wanted = {
+            path_str(path): (tuple(x.shape), str(x.dtype))
+            for path, x in jax.tree_util.tree_flatten_with_path(target)[0]
+        }
+        if saved == wanted:
+            return
+        lines = [
+            f"{k}: saved {saved[k][0]} {saved[k][1]}, now {wanted[k][0]} {wanted[k][1]}"
+            for k in sorted(saved.keys() & wanted.keys())
+            if saved[k] != wanted[k]
+        ]
+        lines += [f"{k}: saved, not in this run's state" for k in sorted(saved.keys() - wanted.keys())]
+        lines += [f"{k}: in this run's state, not saved" for k in sorted(wanted.keys() - saved.keys())]
+        shown = "; ".join(lines[:6]) + (f"; ... {len(lines) - 6} more" if len(lines) > 6 else "")
+        raise StateMismatchError(
+            f"{self.directory / str(step)} holds another train state ({len(lines)} leaves differ: {shown}); "
+            f"the model, its frozen set or the optimizer changed since it was saved: restore the saved config "
+            f"or choose another --workdir"
+        )
+
+    def problem(self, step: int) -> str | None:
+        """Why step ``step`` cannot be restored (a missing commit marker, item or iterator state,
+        unreadable JSON), or None when it looks complete."""
+        root = self.directory / str(step)
+        for marker in ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt"):
+            if not (root / marker).is_file():
+                return f"{marker} is missing"
+        for item in ("norm_stats/metadata", "config/metadata", "state/_METADATA", "_CHECKPOINT_METADATA"):
+            path = root / item
+            if path.is_file():
+                try:
+                    json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    return f"{item} is not valid JSON ({e})"
+        data = root / "data"
+        if data.is_dir():
+            if not list(data.glob("process_*-of-*.json")):
+                return "data/ holds no iterator state"
+            for path in data.glob("process_*-of-*.json"):
+                try:
+                    json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    return f"data/{path.name} is not valid JSON ({e})"
+        return None
+
+    def move_aside(self, step: int, reason: str) -> pathlib.Path:
+        """Rename a step that cannot be restored to ``corrupt-<step>`` (kept for inspection)."""
+        self.manager.wait_until_finished()
+        target = self.directory / f"corrupt-{step}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"corrupt-{step}.{n}"
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(target)
+        multihost_utils.sync_global_devices(f"checkpoint move aside {step}")
+        self.manager.reload()
+        log.warning("checkpoint step %d is unusable (%s): moved to %s", step, reason, target)
+        return target
+
+    def prune(self) -> list[int]:
+        """Delete all but the newest ``keep_last`` steps (and every ``keep_every``-th); returns the deleted."""
+        steps = self.all_steps()
+        keep = set(steps[-self.keep_last :]) | {s for s in steps if self.keep_every and s % self.keep_every == 0}
+        doomed = [s for s in steps if s not in keep]
+        if doomed:
+            self.manager.wait_until_finished()
+            for step in doomed:
+                self.manager.delete(step)
+        return doomed
+
+    def discard(self, step: int) -> None:
+        """Delete one step (a save whose weights gave a non-finite loss)."""
+        self.manager.wait_until_finished()
+        self.manager.delete(step)
+
+    def save_aside(self, name: str, state: TrainState) -> pathlib.Path:
+        """The train state alone, in ``<directory>/<name>`` outside the steps (never restored or rotated)."""
+        path = self.directory / name
+        if path.exists():
+            raise FileExistsError(f"{path} exists")
+        writer = ocp.StandardCheckpointer()
+        writer.save(path, _state_dict(state))
+        writer.wait_until_finished()
+        writer.close()
+        return path
 
     def read_json(self, step: int, item: str) -> dict:
         return json.loads((self.directory / str(step) / item / "metadata").read_text())
@@ -187,5 +303,6 @@ class Checkpointer:
         return self.manager.reached_preemption(step)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        if not self.read_only:
+            self.manager.wait_until_finished()
         self.manager.close()

@@ -124,6 +124,7 @@ class ExperimentConfig:
     gpu_memory_gb: float | None = None
     # Simulate this many CPU devices (sets the host platform device count before JAX starts).
     virtual_devices: int | None = None
+    verbose: bool = False  # errors of bad input print their traceback, not only their one line
 
     def run(self) -> int:
         """Train; print the loss curve and where the outputs are. Returns the exit status."""

@@ -9,6 +9,7 @@ checkpoint and ``NonFiniteLossError``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -18,7 +19,7 @@ from typing import Any
 import jax
 
 from embodied_jax.config_registry import to_dict
-from embodied_jax.data.iterator import BatchIterator
+from embodied_jax.data.iterator import BatchIterator, IteratorStateMismatch
 from embodied_jax.data.sources import DataSource
 from embodied_jax.parallel import distributed
 from embodied_jax.parallel.mesh import axis_size, describe_mesh, make_mesh
@@ -26,10 +27,11 @@ from embodied_jax.parallel.rules import MESH_AXES, RulesError, ShardingRules
 from embodied_jax.parallel.sharding import data_parallel_size, global_batch, mesh_context
 from embodied_jax.policy import PolicyConfig
 from embodied_jax.train import pretrained
-from embodied_jax.train.checkpoint import Checkpointer
+from embodied_jax.train.checkpoint import Checkpointer, StateMismatchError
 from embodied_jax.train.config import Evaluation, ExperimentConfig
 from embodied_jax.train.metrics import MetricsWriter, Throughput
 from embodied_jax.train.optimizer import make_optimizer
+from embodied_jax.train.run_lock import RunLock
 from embodied_jax.train.state import (
     ModelParts,
     TrainState,
@@ -52,8 +54,9 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Preempted(Exception):
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"received {signal.Signals(signum).name} at step {step}: checkpoint saved")
+    def __init__(self, signum: int, step: int, saved: bool = True):
+        outcome = "checkpoint saved" if saved else "no checkpoint (checkpoint.enabled=False)"
+        super().__init__(f"received {signal.Signals(signum).name} at step {step}: {outcome}")
         self.signum = signum
         self.step = step
 
@@ -104,8 +107,15 @@ def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1)
             raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 1")
     if t.ema_decay is not None and not 0.0 <= t.ema_decay < 1.0:
         raise ConfigError(f"train.ema_decay={t.ema_decay} must be in [0, 1)")
-    if config.checkpoint.save_every < 1:
-        raise ConfigError(f"checkpoint.save_every={config.checkpoint.save_every} must be >= 1")
+    ckpt = config.checkpoint
+    if ckpt.save_every < 1:
+        raise ConfigError(f"checkpoint.save_every={ckpt.save_every} must be >= 1")
+    if ckpt.enabled and ckpt.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={ckpt.keep_last} must be >= 1 (or --checkpoint.no-enabled)")
+    if ckpt.keep_every is not None and ckpt.keep_every < 1:
+        raise ConfigError(f"checkpoint.keep_every={ckpt.keep_every} must be >= 1")
+    if config.init_from is not None and not pathlib.Path(config.init_from).exists():
+        raise ConfigError(f"init_from={config.init_from!r}: no such checkpoint (models.convert writes one)")
     if config.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr={config.optimizer.lr} must be > 0")
     if t.batch_size % process_count:
@@ -193,6 +203,31 @@ def _stats_json(data_it: BatchIterator) -> dict | None:
     return {key: value.to_json() for key, value in data_it.stats.items()}
 
 
+def restore_newest_good(ckpt: Checkpointer, rt: Runtime, data_it: BatchIterator) -> tuple[int, TrainState, dict] | None:
+    """(step, state, norm_stats) of the newest step that restores; None when there is none.
+
+    A step that is incomplete (``Checkpointer.problem``) or whose arrays fail to read is moved
+    to ``corrupt-<step>`` with a warning and the next older one is tried. A state tree that no
+    longer fits the run (``StateMismatchError``) is a ``ConfigError``: nothing is moved.
+    """
+    while (step := ckpt.latest_step()) is not None:
+        reason = ckpt.problem(step)
+        if reason is None:
+            try:
+                state, stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step, iterator=data_it)
+                return step, state, stats
+            except (StateMismatchError, IteratorStateMismatch) as e:  # the run changed, not the step
+                raise ConfigError(str(e)) from e
+            except (OSError, ValueError, KeyError, RuntimeError) as e:  # TensorStore/Orbax on damaged files
+                reason = (
+                    f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                    if str(e).strip()
+                    else type(e).__name__
+                )
+        ckpt.move_aside(step, reason)
+    return None
+
+
 @dataclasses.dataclass
 class RunResult:
     final_step: int
@@ -209,93 +244,136 @@ def train(config: ExperimentConfig) -> RunResult:
     t = config.train
     if jax.process_index() == 0:
         log.info("mesh: %s", describe_mesh(rt.mesh))
-    data_it = config.data.make_iterator(
-        model=config.model,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        batch_size=t.batch_size,
-        seed=t.seed,
-    )
-    if not isinstance(data_it, BatchIterator):
-        raise ConfigError(
-            f"data: {type(config.data).__name__}.make_iterator returned a {type(data_it).__name__}, not a BatchIterator"
+    with contextlib.ExitStack() as cleanup:
+        data_it = config.data.make_iterator(
+            model=config.model,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            batch_size=t.batch_size,
+            seed=t.seed,
         )
-    norm_stats = _stats_json(data_it)
-    ckpt = None
-    restored_from = None
-    if config.checkpoint.enabled:
-        ckpt = Checkpointer(config.checkpoint.directory or workdir / "checkpoints", config.checkpoint)
-    if ckpt is not None and ckpt.latest_step() is not None:
-        restored_from = ckpt.latest_step()
-        state, saved_stats = ckpt.restore(rt.abstract_state, rt.shardings, iterator=data_it)
-        norm_stats = saved_stats or norm_stats
-        log.info("resumed from step %d of %s", restored_from, ckpt.directory)
-    else:
-        state = initial_state(rt)
-    first = int(jax.device_get(state.step))
-    config_dict = to_dict(config)
-    writer = MetricsWriter(config.metrics, workdir, t.steps, first, config_dict)
-    step_fn = None
-    evaluation = None  # started at the first evaluation, kept for the run
-    throughput = Throughput()
-    pending: tuple[int, dict] | None = None
-
-    def save(step: int, force: bool = False):
-        if ckpt is not None:
-            ckpt.save(step, state, iterator=data_it, norm_stats=norm_stats, config=config_dict, force=force)
-
-    def handle(step: int, metrics: dict) -> None:
-        values = jax.device_get(metrics)
-        tokens = float(values.get("tokens", 0.0))
-        throughput.add(int(values.get("examples", t.batch_size)), tokens)  # packed rows hold several
-        if int(values["consecutive_skips"]) >= t.max_consecutive_skips:
-            save(int(jax.device_get(state.step)), force=True)
-            if ckpt is not None:
-                ckpt.wait()
-            writer.close()
-            raise NonFiniteLossError(
-                f"{t.max_consecutive_skips} consecutive non-finite steps ending at step {step}: "
-                f"checkpoint saved at step {int(jax.device_get(state.step))}"
+        if not isinstance(data_it, BatchIterator):
+            made = type(data_it).__name__
+            raise ConfigError(
+                f"data: {type(config.data).__name__}.make_iterator returned a {made}, not a BatchIterator"
             )
-        if step % t.log_every == 0 or step == t.steps:
-            writer.write(step, {**values, **throughput.rates()})
+        cleanup.callback(data_it.close)
+        norm_stats = _stats_json(data_it)
+        if jax.process_index() == 0:  # one owner per run directory; the job's other processes follow it
+            cleanup.enter_context(RunLock(workdir))
+        ckpt = None
+        restored_from = None
+        if config.checkpoint.enabled:
+            ckpt = Checkpointer(config.checkpoint.directory or workdir / "checkpoints", config.checkpoint)
+        restored = restore_newest_good(ckpt, rt, data_it) if ckpt is not None else None
+        if restored is not None:
+            restored_from, state, saved_stats = restored
+            norm_stats = saved_stats or norm_stats
+            log.info("resumed from step %d of %s", restored_from, ckpt.directory)
+        else:
+            state = initial_state(rt)
+        first = int(jax.device_get(state.step))
+        config_dict = to_dict(config)
+        writer = MetricsWriter(config.metrics, workdir, t.steps, first, config_dict)
+        step_fn = None
+        evaluation = None  # started at the first evaluation, kept for the run
+        throughput = Throughput()
+        pending: tuple[int, dict] | None = None
+        # A save is good only once the loss computed from its weights (the next step's) is finite;
+        # until then it is ``unconfirmed`` and rotates nothing out (``Checkpointer.prune``).
+        unconfirmed: int | None = None
+        skipping = False  # the newest step read was skipped (non-finite)
 
-    with _SignalFlag() as stop, rt.context():
-        try:
-            for step in range(first, t.steps):
-                batch = global_batch(next(data_it), rt.mesh, rt.rules)
-                if step_fn is None:
-                    step_fn = rt.step_function(batch)
-                state, metrics = step_fn(state, batch)
+        def save(step: int, force: bool = False) -> None:
+            nonlocal unconfirmed
+            if ckpt is not None:
+                ckpt.save(step, state, iterator=data_it, norm_stats=norm_stats, config=config_dict, force=force)
+                unconfirmed = step
+
+        def confirm(step: int) -> None:
+            """Step ``step``'s loss came from the weights saved at ``step - 1``: keep or discard that save."""
+            nonlocal unconfirmed
+            if ckpt is None or unconfirmed is None or step != unconfirmed + 1:
+                return
+            if skipping:
+                log.warning("checkpoint %d discarded: the loss of its weights is not finite", unconfirmed)
+                ckpt.discard(unconfirmed)
+            else:
+                ckpt.prune()
+            unconfirmed = None
+
+        def handle(step: int, metrics: dict) -> None:
+            nonlocal skipping
+            values = jax.device_get(metrics)
+            tokens = float(values.get("tokens", 0.0))
+            throughput.add(int(values.get("examples", t.batch_size)), tokens)  # packed rows hold several
+            skipping = int(values["consecutive_skips"]) > 0
+            confirm(step)
+            if int(values["consecutive_skips"]) >= t.max_consecutive_skips:
+                stopped = int(jax.device_get(state.step))
+                where = "not saved (checkpoint.enabled=False)"
+                good = None
+                if ckpt is not None:
+                    if unconfirmed is not None:  # saved during the streak: its weights gave no finite loss
+                        ckpt.discard(unconfirmed)
+                    where = f"saved aside in {ckpt.save_aside(f'nonfinite-{stopped}', state)}"
+                    good = ckpt.latest_step()
+                writer.close()
+                resume = (
+                    f"newest good checkpoint: step {good}, where the next launch resumes"
+                    if good
+                    else ("no good checkpoint")
+                )
+                raise NonFiniteLossError(
+                    f"{t.max_consecutive_skips} consecutive non-finite steps ending at step {step}; {resume}; "
+                    f"the state at step {stopped} is {where}"
+                )
+            if step % t.log_every == 0 or step == t.steps:
+                writer.write(step, {**values, **throughput.rates()})
+
+        with _SignalFlag() as stop, rt.context():
+            try:
+                for step in range(first, t.steps):
+                    batch = global_batch(next(data_it), rt.mesh, rt.rules)
+                    if step_fn is None:
+                        step_fn = rt.step_function(batch)
+                    state, metrics = step_fn(state, batch)
+                    if pending is not None:
+                        handle(*pending)
+                    pending = (step + 1, metrics)
+                    writer.advance()
+                    done = step + 1
+                    if config.evaluation is not None and t.eval_every and done % t.eval_every == 0:
+                        # The weights a policy bundle serves: the EMA when the run keeps one.
+                        params = state.params if state.ema is None else state.ema
+                        model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
+                        if evaluation is None:
+                            evaluation = config.evaluation.start(model, config=config, norm_stats=norm_stats)
+                        scores = evaluation(model, done)
+                        writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
+                    preempted = stop.signum is not None or (ckpt is not None and ckpt.reached_preemption(done))
+                    if ckpt is not None and (done % config.checkpoint.save_every == 0 or done == t.steps or preempted):
+                        handle(*pending)  # this step's outcome decides whether its weights are worth a save
+                        pending = None
+                        if skipping and not preempted:
+                            log.warning("step %d not saved: its update was skipped (non-finite loss)", done)
+                        else:
+                            save(done, force=preempted or done == t.steps)
+                    if preempted:
+                        if pending is not None:
+                            handle(*pending)
+                            pending = None
+                        if ckpt is not None:
+                            ckpt.wait()
+                        raise Preempted(stop.signum or signal.SIGTERM, done, saved=ckpt is not None)
                 if pending is not None:
                     handle(*pending)
-                pending = (step + 1, metrics)
-                writer.advance()
-                done = step + 1
-                if config.evaluation is not None and t.eval_every and done % t.eval_every == 0:
-                    # The weights a policy bundle serves: the EMA when the run keeps one.
-                    params = state.params if state.ema is None else state.ema
-                    model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
-                    if evaluation is None:
-                        evaluation = config.evaluation.start(model, config=config, norm_stats=norm_stats)
-                    scores = evaluation(model, done)
-                    writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
-                preempted = stop.signum is not None or (ckpt is not None and ckpt.reached_preemption(done))
-                if done % config.checkpoint.save_every == 0 or done == t.steps or preempted:
-                    save(done, force=preempted or done == t.steps)
-                if preempted:
-                    handle(*pending)
-                    pending = None
-                    if ckpt is not None:
-                        ckpt.wait()
-                    raise Preempted(stop.signum or signal.SIGTERM, done)
-            if pending is not None:
-                handle(*pending)
-        finally:
-            if ckpt is not None:
-                ckpt.close()
-            writer.close()
-            data_it.close()
+                if ckpt is not None and unconfirmed is not None:
+                    ckpt.prune()  # the final save: no later loss to check it against
+            finally:
+                if ckpt is not None:
+                    ckpt.close()
+                writer.close()
     return RunResult(
         int(jax.device_get(state.step)), writer.history, workdir, ckpt.directory if ckpt else None, restored_from
     )

@@ -18,6 +18,24 @@ from embodied_jax.train.config import MetricsConfig
 log = logging.getLogger(__name__)
 
 
+def _keep_rows_through(path: pathlib.Path, step: int) -> None:
+    """A resumed run recomputes the steps after its checkpoint: drop their old rows (and a line
+    a hard kill cut short), so ``metrics.jsonl`` never holds two rows for one step."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
     """Only process 0 writes; every process may call it."""
 
@@ -38,7 +56,9 @@ class MetricsWriter:
         if not self.enabled:
             return
         pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(pathlib.Path(workdir) / "metrics.jsonl", "a")
+        path = pathlib.Path(workdir) / "metrics.jsonl"
+        _keep_rows_through(path, first_step)
+        self._jsonl = open(path, "a")
         if config.progress_bar:
             self._bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True, desc="train")
         if config.tensorboard:

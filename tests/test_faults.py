@@ -1,0 +1,161 @@
+"""Fault injection around run directories: a second trainer, stale locks, bad checkpoint settings.
+
+Each case is set up by hand (a lock file of a live or dead process, an impossible config) and
+the trainer or the launcher must refuse it by name before writing anything, or recover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from embodied_jax.train import loop
+from embodied_jax.train.run_lock import LOCK_NAME, STALE_AFTER_S, RunLock, RunLockedError, stale_reason
+from experiments import launch
+from tests.train_utils import TOY_CLI, losses, toy_config
+
+
+def _write_lock(workdir, *, pid, host=None, heartbeat=None):
+    workdir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "host": host or socket.gethostname(),
+        "pid": pid,
+        "started": time.time(),
+        "heartbeat": time.time() if heartbeat is None else heartbeat,
+    }
+    (workdir / LOCK_NAME).write_text(json.dumps(record))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_second_trainer_on_a_live_run_is_refused(tmp_path):
+    workdir = tmp_path / "run"
+    _write_lock(workdir, pid=os.getpid())  # this very process holds it: alive
+    with pytest.raises(RunLockedError, match=f"in use by process {os.getpid()} on {socket.gethostname()}"):
+        loop.train(toy_config(workdir, steps=2, checkpoint=True))
+    assert sorted(p.name for p in workdir.iterdir()) == [LOCK_NAME]  # nothing else written
+
+
+def test_the_launcher_names_the_holder_in_one_line(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    _write_lock(workdir, pid=os.getpid())
+    assert launch.main([*TOY_CLI, "--train.steps", "2", "--workdir", str(workdir), "--metrics.no-progress-bar"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "in use by process" in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_a_stale_lock_is_taken_over_and_released(tmp_path, caplog):
+    workdir = tmp_path / "run"
+    _write_lock(workdir, pid=_dead_pid())
+    result = loop.train(toy_config(workdir, steps=2, checkpoint=True))
+    assert result.final_step == 2
+    assert "taking over the stale lock" in caplog.text and "is gone" in caplog.text
+    assert not (workdir / LOCK_NAME).exists()  # released at the end of the run
+
+
+def test_staleness_rules():
+    now = time.time()
+    here = socket.gethostname()
+    assert stale_reason({"host": here, "pid": os.getpid(), "heartbeat": now}, now) is None
+    assert "heartbeat" in stale_reason({"host": "elsewhere", "pid": 1, "heartbeat": now - STALE_AFTER_S - 1}, now)
+    assert stale_reason({"host": "elsewhere", "pid": 999_999, "heartbeat": now}, now) is None  # cannot tell: live
+    assert "unreadable" in stale_reason(None, now)
+
+
+def test_the_lock_is_exclusive_within_one_process(tmp_path):
+    with RunLock(tmp_path), pytest.raises(RunLockedError):
+        RunLock(tmp_path).acquire()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--checkpoint.keep-last", "0"], "checkpoint.keep_last=0 must be >= 1"),
+        (["--checkpoint.keep-every", "0"], "checkpoint.keep_every=0 must be >= 1"),
+        (["--init-from", "/nonexistent/ckpt"], "init_from='/nonexistent/ckpt': no such checkpoint"),
+    ],
+)
+def test_bad_checkpoint_settings_fail_before_anything_is_written(tmp_path, capsys, flags, message):
+    workdir = tmp_path / "run"
+    code = launch.main([*TOY_CLI, *flags, "--workdir", str(workdir), "--metrics.no-progress-bar"])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not workdir.exists()
+
+
+def test_verbose_shows_the_traceback(tmp_path, capsys):
+    code = launch.main([*TOY_CLI, "--checkpoint.keep-last", "0", "--verbose", "--workdir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "error: checkpoint.keep_last=0" in err
+
+
+def test_preemption_without_checkpoints_says_so():
+    assert "no checkpoint" in str(loop.Preempted(15, 7, saved=False))
+    assert "checkpoint saved" in str(loop.Preempted(15, 7))
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A toy run of 4 steps with checkpoints at 2 and 4 (and its losses)."""
+    workdir = tmp_path_factory.mktemp("saved") / "run"
+    result = loop.train(toy_config(workdir, steps=4, checkpoint=True, save_every=2))
+    return workdir, losses(result.history)
+
+
+def _truncate_largest_array_file(step_dir):
+    files = sorted((p for p in (step_dir / "state" / "d").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = files[-1].read_bytes()
+    files[-1].write_bytes(data[: len(data) // 2])
+
+
+DAMAGE = {
+    "truncated array": _truncate_largest_array_file,
+    "emptied _METADATA": lambda d: (d / "state" / "_METADATA").write_text(""),
+    "missing state/": lambda d: shutil.rmtree(d / "state"),
+    "garbage iterator JSON": lambda d: (d / "data" / "process_0-of-1.json").write_text("{not json"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_latest_step_is_moved_aside_and_the_run_resumes_from_the_previous(
+    saved_run, tmp_path, caplog, damage
+):
+    source, reference = saved_run
+    workdir = tmp_path / "run"
+    shutil.copytree(source, workdir)
+    DAMAGE[damage](workdir / "checkpoints" / "4")
+    result = loop.train(toy_config(workdir, steps=4, checkpoint=True, save_every=2))
+    assert result.restored_from == 2
+    assert losses(result.history) == {3: reference[3], 4: reference[4]}  # the same steps, bit for bit
+    assert (workdir / "checkpoints" / "corrupt-4").is_dir()
+    warning = [r.getMessage() for r in caplog.records if "moved to" in r.getMessage()]
+    assert len(warning) == 1 and "step 4 is unusable" in warning[0]
+    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # one row per step, though steps 3 and 4 ran twice
+
+
+def test_resuming_with_another_model_is_refused_naming_the_leaves(saved_run, tmp_path):
+    source, _ = saved_run
+    workdir = tmp_path / "run"
+    shutil.copytree(source, workdir)
+    config = toy_config(workdir, steps=6, checkpoint=True, save_every=2)
+    wider = dataclasses.replace(config, model=dataclasses.replace(config.model, hidden=64))
+    with pytest.raises(
+        loop.ConfigError, match=r"leaves differ: .*blocks/0/0/kernel: saved \(64, 128\) float32, now \(64, 64\)"
+    ):
+        loop.train(wider)
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]  # nothing moved
