@@ -36,6 +36,10 @@ from embodied_jax.nn.traced import merge_in_trace
 ActFn = Callable[[Any, dict[str, Any], jax.Array], jax.Array]
 
 
+class ObservationError(ValueError):
+    """A robot observation the policy cannot take (missing key, shape, dtype, non-finite state)."""
+
+
 def _stack(samples: list[dict]) -> dict:
     first = samples[0]
     if isinstance(first, dict):
@@ -73,21 +77,62 @@ class PolicyBundle:
         return merge_in_trace(self._graphdef, params)  # the evaluator calls act inside its scans
 
     # ------------------------------------------------------------------ host side
-    def preprocess(self, raw: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Raw batched observation -> the model's observation batch (NumPy)."""
-        state = np.asarray(raw[self.inputs.state_key], np.float32)
+    def _check(self, raw: Mapping[str, Any], image_range: tuple[float, float] | None) -> dict[str, np.ndarray]:
+        """The observation's state and images as validated arrays (images uint8), each problem named."""
+        keys = (self.inputs.state_key, "task", *self.inputs.camera_keys)
+        missing = [k for k in keys if k not in raw]
+        if missing:
+            raise ObservationError(f"observation lacks {missing}; a policy of this run needs {list(keys)}")
+        state = np.asarray(raw[self.inputs.state_key])
+        if state.ndim not in (1, 2) or not np.issubdtype(state.dtype, np.number):
+            raise ObservationError(
+                f"{self.inputs.state_key}: expected numbers [S] or [B, S], got {state.dtype} {state.shape}"
+            )
+        state = state.astype(np.float32)
+        if not np.isfinite(state).all():
+            raise ObservationError(f"{self.inputs.state_key} holds non-finite values: {state.tolist()}")
+        batch = None if state.ndim == 1 else state.shape[0]
+        out = {self.inputs.state_key: state}
+        for key in self.inputs.camera_keys:
+            image = np.asarray(raw[key])
+            want_ndim = 3 if batch is None else 4
+            if image.ndim != want_ndim or image.shape[-1] != 3 or (batch is not None and image.shape[0] != batch):
+                layout = "[H, W, 3]" if batch is None else f"[{batch}, H, W, 3] (one per state)"
+                raise ObservationError(f"{key}: expected an RGB image {layout}, got shape {image.shape}")
+            if image.dtype == np.uint8:
+                out[key] = image
+            elif np.issubdtype(image.dtype, np.floating) and image_range is not None:
+                lo, hi = image_range
+                if not np.isfinite(image).all() or image.min() < lo or image.max() > hi:
+                    raise ObservationError(f"{key}: values outside image_range={image_range} (or not finite)")
+                out[key] = np.round((image - lo) / (hi - lo) * 255.0).astype(np.uint8)
+            elif np.issubdtype(image.dtype, np.floating):
+                raise ObservationError(
+                    f"{key}: a {image.dtype} image needs predict(..., image_range=(lo, hi)) "
+                    f"naming its range; uint8 images are taken as they are"
+                )
+            else:
+                raise ObservationError(f"{key}: images must be uint8 (or float with image_range), got {image.dtype}")
+        return out
+
+    def preprocess(
+        self, raw: Mapping[str, Any], *, image_range: tuple[float, float] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Raw batched observation -> the model's observation batch (NumPy). ``image_range``: the
+        value range of float images (uint8 images need none)."""
+        checked = self._check(raw, image_range)
+        state = checked[self.inputs.state_key]
         single = state.ndim == 1
         batch = 1 if single else state.shape[0]
         tasks = raw["task"]
         tasks = [tasks] * batch if isinstance(tasks, str) else list(tasks)
         if len(tasks) != batch:
-            raise ValueError(f"observation has {batch} states but {len(tasks)} tasks")
+            raise ObservationError(f"observation has {batch} states but {len(tasks)} tasks")
         samples = []
         for i in range(batch):
             sample = {self.inputs.state_key: state if single else state[i], "task": tasks[i]}
             for key in self.inputs.camera_keys:
-                image = np.asarray(raw[key])
-                sample[key] = image if single else image[i]
+                sample[key] = checked[key] if single else checked[key][i]
             out = self.transform(sample)
             out.pop("actions", None)
             out.pop("action_dim_mask", None)
@@ -109,15 +154,19 @@ class PolicyBundle:
             )
         return actions
 
-    def predict(self, raw: Mapping[str, Any], *, rng: jax.Array | None = None) -> np.ndarray:
+    def predict(
+        self, raw: Mapping[str, Any], *, rng: jax.Array | None = None, image_range: tuple[float, float] | None = None
+    ) -> np.ndarray:
         """Unnormalised action chunks [B, horizon, action_dim] for a raw observation.
 
         Without ``rng`` each call draws fresh noise from the bundle's own key (split on every
-        call, starting from ``seed``); the same explicit ``rng`` gives the same actions.
+        call, starting from ``seed``); the same explicit ``rng`` gives the same actions. Images
+        are uint8, or float with ``image_range=(lo, hi)``; a bad observation is an
+        ``ObservationError`` naming the key.
         """
         if rng is None:
             self._rng, rng = jax.random.split(self._rng)
-        obs = self.preprocess(raw)
+        obs = self.preprocess(raw, image_range=image_range)
         actions = np.asarray(self._sample(self.params, jax.tree.map(jnp.asarray, obs), rng))
         state = np.asarray(raw[self.inputs.state_key], np.float32)
         return self.postprocess(actions, state.reshape(actions.shape[0], -1))

@@ -195,6 +195,13 @@ class DemoConfig(ExperimentConfig):
         t0 = time.perf_counter()
         workdir = pathlib.Path(self.workdir)
         dataset = workdir / "dataset"
+        if dataset.is_dir() and any(dataset.iterdir()) and not (dataset / "meta" / "info.json").exists():
+            from embodied_jax.train.loop import ConfigError
+
+            raise ConfigError(
+                f"{dataset} exists but holds no LeRobot dataset (no meta/info.json): remove it or "
+                f"choose another --workdir"
+            )
         if not (dataset / "meta" / "info.json").exists():
             print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
             noise = COLLECT_NOISE.get(self.task, 0.0) if self.collect_noise is None else self.collect_noise

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse(sys.argv[1:] if argv is None else argv)
 
     from embodied_jax.parallel.virtual_devices import use_virtual_devices
-    from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build
+    from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build, validate_outputs
 
     try:
         if config.virtual_devices is not None:
@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             from embodied_jax.train.dry_run import report
 
             distributed.initialize(config.distributed)
-            report(build(config), compile=config.compile, gpu_memory_gb=config.gpu_memory_gb)
+            rt = build(config)
+            validate_outputs(config)  # what a real run would check before writing
+            report(rt, compile=config.compile, gpu_memory_gb=config.gpu_memory_gb)
             return 0
         if config.compile or config.gpu_memory_gb:
             raise ConfigError("compile: --compile and --gpu-memory-gb only apply together with --dry-run")

@@ -149,6 +149,33 @@ def test_predict_draws_fresh_noise_unless_given_an_rng(demo_run):
     np.testing.assert_array_equal(bundle.predict(raw, rng=key), bundle.predict(raw, rng=key))
 
 
+def test_predict_refuses_bad_observations_by_name(demo_run):
+    import jax
+
+    from embodied_jax import load_policy
+    from embodied_jax.bundle import ObservationError
+    from embodied_jax.data.lerobot import LeRobotDataset
+
+    bundle = load_policy(demo_run)
+    raw = _raw_observation(LeRobotDataset(demo_run / "dataset").frame(0, 0))
+    wrist = "observation.images.wrist"
+    cases = [
+        ({k: v for k, v in raw.items() if k != wrist}, r"lacks \['observation.images.wrist'\]"),
+        ({**raw, "observation.state": raw["observation.state"] * np.nan}, "non-finite"),
+        ({**raw, wrist: raw[wrist] / 255.0}, "needs predict\\(..., image_range"),
+        ({**raw, wrist: raw[wrist].astype(np.int16)}, "must be uint8"),
+        ({**raw, "observation.state": np.repeat(raw["observation.state"], 2, 0)}, r"\[2, H, W, 3\] \(one per state\)"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ObservationError, match=message):
+            bundle.predict(bad)
+    key = jax.random.key(3)
+    as_float = {**raw, **{k: raw[k] / np.float32(255.0) for k in (wrist, "observation.images.scene")}}
+    np.testing.assert_array_equal(
+        bundle.predict(as_float, rng=key, image_range=(0.0, 1.0)), bundle.predict(raw, rng=key)
+    )
+
+
 def test_a_checkpoint_loads_where_experiments_cannot_be_imported(demo_run, subprocess_env, tmp_path):
     """The demo's checkpoint names only library configs: ``load_policy`` needs no experiment code."""
     script = tmp_path / "load.py"

@@ -86,6 +86,7 @@ def test_the_lock_is_exclusive_within_one_process(tmp_path):
         (["--checkpoint.keep-last", "0"], "checkpoint.keep_last=0 must be >= 1"),
         (["--checkpoint.keep-every", "0"], "checkpoint.keep_every=0 must be >= 1"),
         (["--init-from", "/nonexistent/ckpt"], "init_from='/nonexistent/ckpt': no such checkpoint"),
+        (["--dry-run", "--checkpoint.keep-last", "0"], "checkpoint.keep_last=0 must be >= 1"),
     ],
 )
 def test_bad_checkpoint_settings_fail_before_anything_is_written(tmp_path, capsys, flags, message):
@@ -94,6 +95,15 @@ def test_bad_checkpoint_settings_fail_before_anything_is_written(tmp_path, capsy
     assert code == 2
     assert message in capsys.readouterr().err
     assert not workdir.exists()
+
+
+def test_a_workdir_that_cannot_be_written_fails_before_anything_is_written(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for extra in ([], ["--dry-run"]):
+        assert launch.main([*TOY_CLI, *extra, "--workdir", str(blocker / "run")]) == 2
+        assert f"{blocker} is not a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
 def test_verbose_shows_the_traceback(tmp_path, capsys):
@@ -159,3 +169,68 @@ def test_resuming_with_another_model_is_refused_naming_the_leaves(saved_run, tmp
     ):
         loop.train(wider)
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]  # nothing moved
+    with pytest.raises(loop.ConfigError, match="changed: model.hidden 128 -> 64"):
+        loop.train(wider)
+
+
+def test_resuming_with_more_steps_says_what_the_schedule_does(saved_run, tmp_path, caplog):
+    source, _ = saved_run
+    workdir = tmp_path / "run"
+    shutil.copytree(source, workdir)
+    config = toy_config(workdir, steps=6, checkpoint=True, save_every=2)
+    config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, decay_steps=None))
+    assert loop.train(config).restored_from == 4
+    assert "train.steps 4 -> 6: the learning-rate schedule now spans 6 steps" in caplog.text
+    assert "--optimizer.decay-steps 4" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory):
+    from embodied_jax.data.synthetic import make_episodes
+    from embodied_jax.data.writer import write_lerobot_dataset
+
+    root = tmp_path_factory.mktemp("faults_data")
+    return write_lerobot_dataset(
+        root, make_episodes([5, 6], seed=1), fps=10, robot_type="synthetic", version="v3.0", codec="h264"
+    )
+
+
+def _edited_copy(small_dataset, tmp_path, edit):
+    root = tmp_path / "dataset"
+    shutil.copytree(small_dataset, root)
+    info = json.loads((root / "meta" / "info.json").read_text())
+    edit(info["features"])
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    return root
+
+
+def test_a_wrong_feature_shape_in_info_json_names_the_file_and_feature(small_dataset, tmp_path):
+    from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
+
+    root = _edited_copy(small_dataset, tmp_path, lambda f: f["observation.state"].update(shape=[7]))
+    with pytest.raises(
+        DatasetError,
+        match=r"feature 'observation.state': meta/info.json gives shape \[7\], but the "
+        r"data holds 4 values per frame",
+    ):
+        LeRobotDataset(root)
+
+
+def test_an_image_shape_that_disagrees_with_the_video_is_refused(small_dataset, tmp_path):
+    from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
+
+    def wider(features):
+        shape = features["observation.images.front"]["shape"]
+        shape[1] = shape[1] * 2  # [H, W, C]: twice the width the video has
+
+    dataset = LeRobotDataset(_edited_copy(small_dataset, tmp_path, wider))
+    with pytest.raises(DatasetError, match="camera observation.images.front decodes to .* but meta/info.json gives"):
+        dataset.images(0, "observation.images.front", [0])
+
+
+def test_the_demo_does_not_collect_over_a_directory_that_is_not_a_dataset(tmp_path, capsys):
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "notes.txt").write_text("mine")
+    assert launch.main(["demo", "--workdir", str(tmp_path), "--episodes", "2"]) == 2
+    assert "holds no LeRobot dataset (no meta/info.json)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset"]

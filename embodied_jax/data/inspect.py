@@ -19,6 +19,7 @@ import numpy as np
 from embodied_jax.data import framestore as fs
 from embodied_jax.data import video
 from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
+from embodied_jax.data.video import VideoDecodeError
 
 
 def open_source(path: str | pathlib.Path):
@@ -88,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.save:
                 np.savez(args.save, **arrays)
                 print(f"saved {args.save}")
-    except (DatasetError, fs.FrameStoreError, KeyError, IndexError) as exc:
+    except (DatasetError, fs.FrameStoreError, VideoDecodeError, KeyError, IndexError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -95,8 +95,8 @@ def _read_parquet(
         raise DatasetError(f"{where}: unreadable parquet ({exc})") from exc
 
 
-def column_to_numpy(column: pa.ChunkedArray | pa.Array, shape: Sequence[int]) -> np.ndarray:
-    """[N, *shape] array from a (possibly nested list) arrow column."""
+def column_to_numpy(column: pa.ChunkedArray | pa.Array, shape: Sequence[int], *, where: str = "column") -> np.ndarray:
+    """[N, *shape] array from a (possibly nested list) arrow column; ``where`` names it in errors."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     rows = len(array)
     while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type) or pa.types.is_large_list(array.type):
@@ -105,6 +105,11 @@ def column_to_numpy(column: pa.ChunkedArray | pa.Array, shape: Sequence[int]) ->
     shape = tuple(int(s) for s in shape)
     if shape == (1,) and values.size == rows:
         return values.reshape(rows)
+    if values.size != rows * int(np.prod(shape)):
+        per_row = values.size / max(rows, 1)
+        raise DatasetError(
+            f"{where}: meta/info.json gives shape {list(shape)}, but the data holds {per_row:g} values per frame"
+        )
     return values.reshape((rows,) + shape)
 
 
@@ -311,7 +316,11 @@ class LeRobotDataset:
                     arrays = {}
                     for key in numeric:
                         shape = self.features.get(key, {}).get("shape", [1])
-                        arrays[key] = column_to_numpy(table.column(key).slice(rows.start, len(rows)), shape)
+                        arrays[key] = column_to_numpy(
+                            table.column(key).slice(rows.start, len(rows)),
+                            shape,
+                            where=f"{path}: episode {record.episode_index}: feature {key!r}",
+                        )
                     self._check_episode(record, arrays)
                 except DatasetError as exc:
                     self._fail([record], str(exc))
@@ -442,9 +451,15 @@ class LeRobotDataset:
                 self.episode_array(position, fmt.TIMESTAMP)[frame_indices].astype(np.float64) + span.from_timestamp
             )
             try:
-                return self._video_cache.get(span.path).frames_at(timestamps, self.fps, self.tolerance_s)
+                frames = self._video_cache.get(span.path).frames_at(timestamps, self.fps, self.tolerance_s)
             except video.VideoDecodeError as exc:
                 raise DatasetError(f"{exc} [episode {record.episode_index}, camera {key}]") from exc
+            if frames.shape[1:] != self.image_shape(key):
+                raise DatasetError(
+                    f"{span.path}: camera {key} decodes to {list(frames.shape[1:])} (H, W, C), but meta/info.json "
+                    f"gives {list(self.image_shape(key))} [episode {record.episode_index}]"
+                )
+            return frames
         if key in self.image_keys:
             column = self._image_column(record.data_path, key)
             start = self._row_starts[position]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import pathlib
 import signal
 from typing import Any
@@ -88,6 +89,24 @@ class Runtime:
             self.mesh,
             self.rules,
         )
+
+
+def _check_writable(field: str, path: pathlib.Path) -> None:
+    """The directory exists and is writable, or can be created under a writable directory."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{field}={str(path)!r}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field}={str(path)!r}: {existing} is not writable")
+
+
+def validate_outputs(config: ExperimentConfig) -> None:
+    """Where a training run writes can be written (checked before anything is)."""
+    _check_writable("workdir", pathlib.Path(config.workdir))
+    if config.checkpoint.directory is not None:
+        _check_writable("checkpoint.directory", pathlib.Path(config.checkpoint.directory))
 
 
 def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1) -> None:
@@ -203,6 +222,51 @@ def _stats_json(data_it: BatchIterator) -> dict | None:
     return {key: value.to_json() for key, value in data_it.stats.items()}
 
 
+def _flat(tree: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            if k != "__config__":
+                out.update(_flat(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: tree}
+
+
+def _changed_fields(ckpt: Checkpointer, step: int, config: ExperimentConfig, fields: tuple[str, ...]) -> str:
+    """``"model.hidden 128 -> 64, ..."``: what differs between a step's saved config and ``config``."""
+    try:
+        saved = _flat(ckpt.read_json(step, "config")["config"], "")
+    except (OSError, KeyError, ValueError):
+        return ""
+    now = _flat(to_dict(config)["config"], "")
+    keys = sorted(k for k in saved.keys() | now.keys() if any(k[1:].startswith(f) for f in fields))
+    return ", ".join(f"{k[1:]} {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k))
+
+
+def _warn_on_schedule_change(ckpt: Checkpointer, step: int, rt: Runtime) -> None:
+    """Resuming with another ``train.steps`` (and no fixed ``optimizer.decay_steps``) rescales the
+    schedule: say what the learning rate does at the resumed step."""
+    try:
+        saved_steps = int(ckpt.read_json(step, "config")["config"]["train"]["steps"])
+    except (OSError, KeyError, ValueError):
+        return
+    config = rt.config
+    if saved_steps == config.train.steps or config.optimizer.decay_steps is not None:
+        return
+    _, before = make_optimizer(config.optimizer, saved_steps)
+    log.warning(
+        "train.steps %d -> %d: the learning-rate schedule now spans %d steps, so at step %d the rate is %.3g "
+        "(it was %.3g); set --optimizer.decay-steps %d to keep the old schedule",
+        saved_steps,
+        config.train.steps,
+        config.train.steps,
+        step,
+        float(rt.schedule(step)),
+        float(before(step)),
+        saved_steps,
+    )
+
+
 def restore_newest_good(ckpt: Checkpointer, rt: Runtime, data_it: BatchIterator) -> tuple[int, TrainState, dict] | None:
     """(step, state, norm_stats) of the newest step that restores; None when there is none.
 
@@ -215,8 +279,14 @@ def restore_newest_good(ckpt: Checkpointer, rt: Runtime, data_it: BatchIterator)
         if reason is None:
             try:
                 state, stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step, iterator=data_it)
+                _warn_on_schedule_change(ckpt, step, rt)
                 return step, state, stats
-            except (StateMismatchError, IteratorStateMismatch) as e:  # the run changed, not the step
+            except StateMismatchError as e:  # the run changed, not the step
+                changed = _changed_fields(
+                    ckpt, step, rt.config, ("model", "optimizer.freeze", "optimizer.frozen_dtype")
+                )
+                raise ConfigError(f"{e}{'; changed: ' + changed if changed else ''}") from e
+            except IteratorStateMismatch as e:
                 raise ConfigError(str(e)) from e
             except (OSError, ValueError, KeyError, RuntimeError) as e:  # TensorStore/Orbax on damaged files
                 reason = (
@@ -240,6 +310,7 @@ class RunResult:
 def train(config: ExperimentConfig) -> RunResult:
     distributed.initialize(config.distributed)
     rt = build(config)
+    validate_outputs(config)
     workdir = pathlib.Path(config.workdir)
     t = config.train
     if jax.process_index() == 0:
