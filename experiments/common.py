@@ -17,7 +17,7 @@ from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.policy import PolicyConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
 
-# The placeholder dataset directory of the fine-tuning experiments (``--data.root DIR``).
+# The default dataset directory of the fine-tuning experiments; a run names its own with ``--data.root DIR``.
 DATASET = "data/lerobot_dataset"
 # CPU benchmark runs: LeRobot's anchor sizes, 4 examples per step, nothing written.
 BENCH_TRAIN = TrainConfig(steps=50, batch_size=4, log_every=5)

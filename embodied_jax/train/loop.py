@@ -354,6 +354,7 @@ def train(config: ExperimentConfig) -> RunResult:
         # until then it is ``unconfirmed`` and rotates nothing out (``Checkpointer.prune``).
         unconfirmed: int | None = None
         skipping = False  # the newest step read was skipped (non-finite)
+        eval_rows: dict[int, dict] = {}  # in-training evaluation scores waiting for their step's row
 
         def save(step: int, force: bool = False) -> None:
             nonlocal unconfirmed
@@ -390,17 +391,17 @@ def train(config: ExperimentConfig) -> RunResult:
                     where = f"saved aside in {ckpt.save_aside(f'nonfinite-{stopped}', state)}"
                     good = ckpt.latest_step()
                 writer.close()
-                resume = (
-                    f"newest good checkpoint: step {good}, where the next launch resumes"
-                    if good
-                    else ("no good checkpoint")
-                )
+                resume = "no good checkpoint"
+                if good is not None:
+                    resume = f"newest good checkpoint: step {good}, where the next launch resumes"
                 raise NonFiniteLossError(
                     f"{t.max_consecutive_skips} consecutive non-finite steps ending at step {step}; {resume}; "
                     f"the state at step {stopped} is {where}"
                 )
             if step % t.log_every == 0 or step == t.steps:
-                writer.write(step, {**values, **throughput.rates()})
+                writer.write(step, {**values, **throughput.rates(), **eval_rows.pop(step, {})})
+            elif step in eval_rows:
+                writer.write(step, eval_rows.pop(step))
 
         with _SignalFlag() as stop, rt.context():
             try:
@@ -421,7 +422,8 @@ def train(config: ExperimentConfig) -> RunResult:
                         if evaluation is None:
                             evaluation = config.evaluation.start(model, config=config, norm_stats=norm_stats)
                         scores = evaluation(model, done)
-                        writer.write(done, {f"eval/{k}": v for k, v in scores.items()})
+                        # written with this step's training metrics: one row per step
+                        eval_rows[done] = {f"eval/{k}": v for k, v in scores.items()}
                     preempted = stop.signum is not None or (ckpt is not None and ckpt.reached_preemption(done))
                     if ckpt is not None and (done % config.checkpoint.save_every == 0 or done == t.steps or preempted):
                         handle(*pending)  # this step's outcome decides whether its weights are worth a save
