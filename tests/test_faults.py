@@ -234,3 +234,22 @@ def test_the_demo_does_not_collect_over_a_directory_that_is_not_a_dataset(tmp_pa
     assert launch.main(["demo", "--workdir", str(tmp_path), "--episodes", "2"]) == 2
     assert "holds no LeRobot dataset (no meta/info.json)" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset"]
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("embodied_jax.data.inspect", ["{missing}"]),
+        ("embodied_jax.data.convert", ["{missing}", "{out}"]),
+    ],
+)
+def test_data_clis_print_one_line_unless_verbose(tmp_path, capsys, module, argv):
+    import importlib
+
+    cli = importlib.import_module(module)
+    argv = [a.format(missing=tmp_path / "no_such_dataset", out=tmp_path / "store") for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no_such_dataset" in err[0]
+    assert cli.main([*argv, "--verbose"]) == 2
+    assert "Traceback" in capsys.readouterr().err

@@ -24,6 +24,7 @@ import os
 import pathlib
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 
 import numpy as np
@@ -228,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--verify", action="store_true", help="re-read every episode and check its checksum after converting"
     )
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error, not only its line")
     args = parser.parse_args(argv)
     try:
         convert(
@@ -243,9 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verify:
             verified = fs.verify_store(args.destination)
             print(f"verified {len(verified)} episodes, {sum(verified.values())} frames")
-    except (ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError) as exc:  # DatasetError and FrameStoreError are ValueErrors
+        if args.verbose:
+            traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import traceback
 from collections.abc import Sequence
 
 import numpy as np
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--episode", type=int, help="episode index (with --frame)")
     parser.add_argument("--frame", type=int, help="frame index inside the episode")
     parser.add_argument("--save", help="write that frame's raw arrays to this .npz")
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error, not only its line")
     args = parser.parse_args(argv)
     if (args.episode is None) != (args.frame is None) or (args.save and args.episode is None):
         parser.error("--episode and --frame go together, and --save needs both")
@@ -90,8 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 np.savez(args.save, **arrays)
                 print(f"saved {args.save}")
     except (DatasetError, fs.FrameStoreError, VideoDecodeError, KeyError, IndexError) as exc:
+        if args.verbose:
+            traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,7 +135,7 @@ def from_orbax(ckpt_dir, dst, config, layout: Layout, *, like=None, dtype=None, 
     return export_checkpoint(params, layout, dst, like=like, dtype=dtype)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m embodied_jax.models.convert", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", required=True, choices=sorted(ARCHS))
     parser.add_argument("--src", required=True, help="upstream checkpoint dir/file (or CKPT_DIR with --reverse)")
@@ -147,6 +149,7 @@ def main(argv=None) -> None:
         help="checkpoint layout for archs with several (gr00t_n15: lerobot|nvidia); forward "
         "conversion detects it when omitted",
     )
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error, not only its line")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     arch = ARCHS[args.arch]
@@ -158,12 +161,19 @@ def main(argv=None) -> None:
     else:
         layout = arch.layout()
     config = arch.make_config()
-    if args.reverse:
-        written = from_orbax(args.src, args.out, config, layout, like=args.like, dtype=args.dtype)
-    else:
-        written = to_orbax(args.src, args.out, config, layout)
+    try:
+        if args.reverse:
+            written = from_orbax(args.src, args.out, config, layout, like=args.like, dtype=args.dtype)
+        else:
+            written = to_orbax(args.src, args.out, config, layout)
+    except (OSError, ValueError, KeyError) as exc:  # WeightMismatchError is a ValueError
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {written}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
