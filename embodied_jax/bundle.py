@@ -31,12 +31,13 @@ from flax import nnx
 
 from embodied_jax.data.samples import to_absolute_actions
 from embodied_jax.data.stats import FeatureStats, Normalizer
+from embodied_jax.errors import InputError
 from embodied_jax.nn.traced import merge_in_trace
 
 ActFn = Callable[[Any, dict[str, Any], jax.Array], jax.Array]
 
 
-class ObservationError(ValueError):
+class ObservationError(InputError, ValueError):
     """A robot observation the policy cannot take (missing key, shape, dtype, non-finite state)."""
 
 

@@ -18,6 +18,8 @@ import dataclasses
 import importlib
 from typing import Any
 
+from embodied_jax.errors import InputError
+
 FORMAT_VERSION = 1
 
 # The library modules that define registered configs; imported before a saved config is read.
@@ -47,7 +49,7 @@ _CONFIG_MODULES = (
 _REGISTRY: dict[str, type] = {}
 
 
-class ConfigFormatError(ValueError):
+class ConfigFormatError(InputError, ValueError):
     """A saved config that cannot be read back (or a config that cannot be saved)."""
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import sys
-import traceback
 
 import tyro
+
+from embodied_jax.cli import INPUT_ERRORS, fail
 
 
 def parse(argv: list[str]):
@@ -31,30 +32,6 @@ def parse(argv: list[str]):
         args=argv,
         prog="python -m experiments.launch",
         description=__doc__.split("\n\n")[0],
-    )
-
-
-def input_errors() -> tuple[type[Exception], ...]:
-    """The project's errors that mean bad input: one line (``error: ...``, exit status 2), the
-    traceback only with ``--verbose``."""
-    from embodied_jax.config_registry import ConfigFormatError
-    from embodied_jax.data.framestore import FrameStoreError
-    from embodied_jax.data.lerobot import DatasetError
-    from embodied_jax.data.video import VideoDecodeError
-    from embodied_jax.models.weights.common import WeightMismatchError
-    from embodied_jax.parallel.virtual_devices import VirtualDevicesError
-    from embodied_jax.train.loop import ConfigError
-    from embodied_jax.train.run_lock import RunLockedError
-
-    return (
-        ConfigError,
-        ConfigFormatError,
-        DatasetError,
-        FrameStoreError,
-        VideoDecodeError,
-        WeightMismatchError,
-        VirtualDevicesError,
-        RunLockedError,
     )
 
 
@@ -84,11 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if config.compile or config.gpu_memory_gb:
             raise ConfigError("compile: --compile and --gpu-memory-gb only apply together with --dry-run")
         return config.run()  # training, or an experiment's steps around it (the demo)
-    except input_errors() as e:
-        if config.verbose:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as e:
+        return fail(e, verbose=config.verbose)
     except NonFiniteLossError as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3

@@ -18,8 +18,9 @@ LIBRARY = ROOT / "embodied_jax"
 
 # DESIGN.md "Import direction" (experiments -> train, sim, data, models -> nn -> parallel; train and
 # sim read data, never a model; sim never imports train): what each part may import besides itself.
-# Top-level modules: the contracts and the saved-config registry are importable from anywhere.
-ANYWHERE = {"config_registry", "policy", "variables"}
+# Top-level modules: the contracts, the error base, the command-line conventions and the
+# saved-config registry are importable from anywhere.
+ANYWHERE = {"cli", "config_registry", "errors", "policy", "variables"}
 ALLOWED = {
     "parallel": set(),
     "nn": {"parallel"},
@@ -31,7 +32,9 @@ ALLOWED = {
     "evaluation": {"bundle", "sim", "parallel", "train"},
     "loading": {"bundle", "parallel", "train"},
     "__init__": {"bundle", "loading"},
+    "cli": set(),
     "config_registry": set(),
+    "errors": set(),
     "policy": set(),
     "variables": set(),
 }

@@ -122,18 +122,45 @@ def test_serving_applies_the_pipelines_sample_transform(demo_run):
                 np.testing.assert_array_equal(value[0], trained[key], err_msg=key)
 
 
-def test_load_policy_leaves_a_live_runs_checkpoints_alone(demo_run):
-    """A reader never cleans up: another writer's in-flight save (Orbax's temporary directory) survives."""
-    from embodied_jax import load_policy
+def test_load_policy_leaves_a_live_runs_save_in_flight_alone(demo_run, tmp_path, monkeypatch):
+    """A writer's asynchronous save is held open (before Orbax's publishing rename) while a
+    reader opens the policy: the reader deletes nothing and the save then completes."""
+    import asyncio
+    import threading
 
-    in_flight = demo_run / "checkpoints" / "6.orbax-checkpoint-tmp-1234"
-    (in_flight / "state").mkdir(parents=True)
-    before = sorted(p.relative_to(demo_run) for p in (demo_run / "checkpoints").rglob("*"))
+    import jax
+    from orbax.checkpoint._src.path import atomicity
+
+    from embodied_jax import load_policy
+    from embodied_jax.config_registry import from_dict
+    from embodied_jax.train.checkpoint import Checkpointer
+    from embodied_jax.train.loop import build
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run / "checkpoints", run / "checkpoints")
+    release = threading.Event()
+    publish = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def held_finalize(self):
+        await asyncio.to_thread(release.wait, 120)
+        await publish(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", held_finalize)
+    writer = Checkpointer(run / "checkpoints", CheckpointConfig(async_save=True))
     try:
-        assert load_policy(demo_run).step == 4
-        assert sorted(p.relative_to(demo_run) for p in (demo_run / "checkpoints").rglob("*")) == before
+        config = from_dict(writer.read_json(4, "config"))
+        rt = build(config, jax.local_devices()[:1])
+        state, stats = writer.restore(rt.abstract_state, rt.shardings, step=4)
+        assert writer.save(6, state, norm_stats=stats, config=writer.read_json(4, "config"))
+        in_flight = list((run / "checkpoints").glob("6.orbax-checkpoint-tmp*"))
+        assert in_flight, "the save should still be in flight"
+        assert load_policy(run).step == 4
+        assert all(p.is_dir() for p in in_flight)
     finally:
-        shutil.rmtree(in_flight)
+        release.set()
+        writer.wait()
+    assert writer.all_steps()[-1] == 6 and writer.problem(6) is None
+    writer.close()
 
 
 def test_predict_draws_fresh_noise_unless_given_an_rng(demo_run):

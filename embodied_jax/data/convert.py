@@ -24,11 +24,11 @@ import os
 import pathlib
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 
 import numpy as np
 
+from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.data import framestore as fs
 from embodied_jax.data.lerobot import LeRobotDataset
 from embodied_jax.nn.image import resize_with_pad
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--verify", action="store_true", help="re-read every episode and check its checksum after converting"
     )
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error, not only its line")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     try:
         convert(
@@ -245,11 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verify:
             verified = fs.verify_store(args.destination)
             print(f"verified {len(verified)} episodes, {sum(verified.values())} frames")
-    except (OSError, ValueError, KeyError) as exc:  # DatasetError and FrameStoreError are ValueErrors
-        if args.verbose:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS + (ValueError, KeyError) as exc:
+        return fail(exc, verbose=args.verbose)
     return 0
 
 

@@ -27,12 +27,13 @@ import tensorstore as ts
 
 from embodied_jax.data import lerobot_format as fmt
 from embodied_jax.data.modality import Modality
+from embodied_jax.errors import InputError
 
 SUMMARY = "framestore.json"
 FORMAT = "embodied_jax.framestore/1"
 
 
-class FrameStoreError(ValueError):
+class FrameStoreError(InputError, ValueError):
     """A missing, incomplete or corrupted frame store; the message names the episode and camera."""
 
 

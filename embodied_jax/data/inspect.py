@@ -12,15 +12,14 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import traceback
 from collections.abc import Sequence
 
 import numpy as np
 
+from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.data import framestore as fs
 from embodied_jax.data import video
-from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
-from embodied_jax.data.video import VideoDecodeError
+from embodied_jax.data.lerobot import LeRobotDataset
 
 
 def open_source(path: str | pathlib.Path):
@@ -77,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--episode", type=int, help="episode index (with --frame)")
     parser.add_argument("--frame", type=int, help="frame index inside the episode")
     parser.add_argument("--save", help="write that frame's raw arrays to this .npz")
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error, not only its line")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     if (args.episode is None) != (args.frame is None) or (args.save and args.episode is None):
         parser.error("--episode and --frame go together, and --save needs both")
@@ -91,11 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.save:
                 np.savez(args.save, **arrays)
                 print(f"saved {args.save}")
-    except (DatasetError, fs.FrameStoreError, VideoDecodeError, KeyError, IndexError) as exc:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS + (KeyError, IndexError) as exc:
+        return fail(exc, verbose=args.verbose)
     return 0
 
 

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from embodied_jax.data.stats import FeatureStats
+from embodied_jax.errors import InputError
 
 
-class IteratorStateMismatch(ValueError):
+class IteratorStateMismatch(InputError, ValueError):
     """A saved iterator position made by another pipeline (batch size, seed, process layout)."""
 
 

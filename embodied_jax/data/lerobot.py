@@ -24,9 +24,10 @@ import pyarrow.parquet as pq
 from embodied_jax.data import lerobot_format as fmt
 from embodied_jax.data import video
 from embodied_jax.data.modality import Modality
+from embodied_jax.errors import InputError
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError, ValueError):
     """A malformed LeRobot dataset; the message names the file and, where known, the episode."""
 
 

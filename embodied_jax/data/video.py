@@ -18,10 +18,12 @@ from collections.abc import Sequence
 import av
 import numpy as np
 
+from embodied_jax.errors import InputError
+
 CODEC_ENCODERS = {"av1": "libsvtav1", "h264": "h264"}
 
 
-class VideoDecodeError(RuntimeError):
+class VideoDecodeError(InputError, RuntimeError):
     """A video file could not be opened or decoded, or lacks a requested frame."""
 
 

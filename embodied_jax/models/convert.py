@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import logging
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.models.weights.common import Layout, export_checkpoint, import_checkpoint
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         help="checkpoint layout for archs with several (gr00t_n15: lerobot|nvidia); forward "
         "conversion detects it when omitted",
     )
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error, not only its line")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     arch = ARCHS[args.arch]
@@ -166,11 +166,8 @@ def main(argv=None) -> int:
             written = from_orbax(args.src, args.out, config, layout, like=args.like, dtype=args.dtype)
         else:
             written = to_orbax(args.src, args.out, config, layout)
-    except (OSError, ValueError, KeyError) as exc:  # WeightMismatchError is a ValueError
-        if args.verbose:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS + (ValueError, KeyError) as exc:
+        return fail(exc, verbose=args.verbose)
     print(f"wrote {written}")
     return 0
 

@@ -25,10 +25,11 @@ from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, Mesh
 
 from embodied_jax.config_registry import register
+from embodied_jax.errors import InputError
 from embodied_jax.parallel.rules import MESH_AXES, SPLIT_AXES
 
 
-class MeshError(ValueError):
+class MeshError(InputError, ValueError):
     """A mesh config that cannot be laid over the available devices."""
 
 

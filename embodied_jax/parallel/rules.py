@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from embodied_jax.errors import InputError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # Axes that shard parameters: laid out as one mesh axis per prime factor (``parallel.mesh``).
 SPLIT_AXES = ("fsdp", "tensor")
@@ -75,7 +77,7 @@ PRESETS: dict[str, Rules] = {
 }
 
 
-class RulesError(ValueError):
+class RulesError(InputError, ValueError):
     """A rules override that names an unknown logical axis, mesh axis or preset."""
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import jax
 
+from embodied_jax.errors import InputError
 
-class VirtualDevicesError(RuntimeError):
+
+class VirtualDevicesError(InputError, RuntimeError):
     """JAX already runs with another device set."""
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import rollout as rollout_lib
 from embodied_jax.sim import tasks as tasks_lib
@@ -176,23 +177,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="std (metres) of noise on executed hand positions; recorded actions stay clean",
     )
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     if len(args.image_size) not in (1, 2):
         parser.error("--image-size takes one (square) or two (height width) integers")
     size = tuple(args.image_size) * (2 if len(args.image_size) == 1 else 1)
-    root = collect(
-        args.task,
-        args.episodes,
-        args.out,
-        image_size=size,
-        seed=args.seed,
-        batch=args.batch,
-        renderer=args.renderer,
-        version=args.version,
-        codec=args.codec,
-        keep_failures=args.keep_failures,
-        noise=args.noise,
-    )
+    try:
+        root = collect(
+            args.task,
+            args.episodes,
+            args.out,
+            image_size=size,
+            seed=args.seed,
+            batch=args.batch,
+            renderer=args.renderer,
+            version=args.version,
+            codec=args.codec,
+            keep_failures=args.keep_failures,
+            noise=args.noise,
+        )
+    except INPUT_ERRORS + (ValueError,) as exc:
+        return fail(exc, verbose=args.verbose)
     print(f"wrote {args.episodes} {args.task} episodes to {root}")
     return 0
 

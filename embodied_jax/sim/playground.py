@@ -25,12 +25,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from embodied_jax.errors import InputError
 from embodied_jax.sim import env as env_lib
 
 MENAGERIE_REPO = "https://github.com/google-deepmind/mujoco_menagerie"
 
 
-class PlaygroundUnavailable(RuntimeError):
+class PlaygroundUnavailable(InputError, RuntimeError):
     """Playground or its robot assets are not on this machine."""
 
 

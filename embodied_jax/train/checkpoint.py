@@ -22,6 +22,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from embodied_jax.data.iterator import IteratorStateMismatch
+from embodied_jax.errors import InputError
 from embodied_jax.train.config import CheckpointConfig
 from embodied_jax.train.optimizer import path_str
 from embodied_jax.train.state import TrainState
@@ -29,7 +30,7 @@ from embodied_jax.train.state import TrainState
 log = logging.getLogger(__name__)
 
 
-class StateMismatchError(ValueError):
+class StateMismatchError(InputError, ValueError):
     """A checkpoint's train state does not fit the run's (architecture, frozen set, optimizer)."""
 
 
@@ -230,7 +231,9 @@ class Checkpointer:
         """Why step ``step`` cannot be restored (a missing commit marker, item or iterator state,
         unreadable JSON), or None when it looks complete."""
         root = self.directory / str(step)
-        for marker in ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt"):
+        # Orbax writes ``commit_success.txt`` into a step (and each item) as the last thing before
+        # the rename that publishes it: without it the save never finished.
+        for marker in ("commit_success.txt", "_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt"):
             if not (root / marker).is_file():
                 return f"{marker} is missing"
         for item in ("norm_stats/metadata", "config/metadata", "state/_METADATA", "_CHECKPOINT_METADATA"):

@@ -22,6 +22,7 @@ import jax
 from embodied_jax.config_registry import to_dict
 from embodied_jax.data.iterator import BatchIterator, IteratorStateMismatch
 from embodied_jax.data.sources import DataSource
+from embodied_jax.errors import InputError
 from embodied_jax.parallel import distributed
 from embodied_jax.parallel.mesh import axis_size, describe_mesh, make_mesh
 from embodied_jax.parallel.rules import MESH_AXES, RulesError, ShardingRules
@@ -46,7 +47,7 @@ from embodied_jax.train.step import jit_train_step, make_train_step
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A config that cannot run; raised before anything is compiled or written."""
 
 

@@ -19,6 +19,8 @@ import socket
 import threading
 import time
 
+from embodied_jax.errors import InputError
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "run.lock"
@@ -26,7 +28,7 @@ HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 
 
-class RunLockedError(RuntimeError):
+class RunLockedError(InputError, RuntimeError):
     """The run directory belongs to another live trainer."""
 
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 import tempfile
 import time
 
 import numpy as np
 
+from embodied_jax.cli import run_main
 from embodied_jax.data.convert import convert
 from embodied_jax.data.pipeline import DataConfig, SourceConfig, make_data_iterator
 from embodied_jax.data.samples import SampleSpec
@@ -82,11 +84,11 @@ def measure(config: DataConfig, batches: int, warmup: int = 3) -> tuple[float, f
         return batches * 8 / wall, 1000 * cpu / (batches * 8)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", help="where to keep the generated dataset and store (default: a temp dir)")
     parser.add_argument("--batches", type=int, default=40, help="timed batches per configuration")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="data_throughput_"))
     raw = generate(workdir / "lerobot")
     store = workdir / "framestore"
@@ -118,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)

@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from embodied_jax.cli import run_main
+
 CAMERAS = {
     "pi05": ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"),
     "gr00t": ("ego_view", "left_wrist", "right_wrist"),
@@ -312,4 +314,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 
 import jax
@@ -20,6 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from embodied_jax.cli import run_main
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
 from experiments.pi05 import bench_model, tiny_model
@@ -86,4 +88,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)

@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 import time
 
 import jax
 import numpy as np
+
+from embodied_jax.cli import run_main
 
 VARIANTS = {
     "float32": dict(dtype="float32", fp8="none"),
@@ -91,4 +94,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)

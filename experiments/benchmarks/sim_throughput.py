@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 import types
 
@@ -32,6 +33,7 @@ import mujoco
 import numpy as np
 from mujoco import mjx
 
+from embodied_jax.cli import run_main
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import evaluate as eval_lib
 from embodied_jax.sim import rollout as rollout_lib
@@ -222,4 +224,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)

@@ -30,6 +30,8 @@ import time
 import jax
 import numpy as np
 
+from embodied_jax.cli import run_main
+
 # Peak dense bf16 FLOP/s per device, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -156,4 +158,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)

@@ -42,6 +42,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from embodied_jax.errors import InputError
+
 log = logging.getLogger(__name__)
 
 LAYER = "{layer}"
@@ -65,7 +67,7 @@ _ST_TO_NP = {v: k for k, v in _NP_TO_ST.items()}
 _NUMPY_NATIVE = {"F64", "F32", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL"}
 
 
-class WeightMismatchError(ValueError):
+class WeightMismatchError(InputError, ValueError):
     """The checkpoint's tensors do not match the model's leaves (names or shapes)."""
 
 

@@ -1,0 +1,43 @@
+"""Conventions shared by every command line: bad input is one ``error: ...`` line and exit
+status 2 (``--verbose`` adds the traceback); anything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from embodied_jax.errors import InputError
+
+# Besides the project's own InputErrors: a missing or unreadable file.
+INPUT_ERRORS: tuple[type[BaseException], ...] = (InputError, OSError)
+
+
+def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error, not only its line")
+
+
+def fail(exc: BaseException, *, verbose: bool) -> int:
+    """Report an input error the command line way; returns the exit status (2)."""
+    if verbose:
+        traceback.print_exception(exc)
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def run_main(
+    main: Callable[[list[str]], object],
+    argv: Sequence[str] | None = None,
+    errors: tuple[type[BaseException], ...] = INPUT_ERRORS,
+) -> int:
+    """Run ``main(argv)`` (a script's own argument parsing included), reporting ``errors`` in
+    one line; ``--verbose`` anywhere in ``argv`` is taken out and turns the traceback on."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in argv
+    argv = [a for a in argv if a != "--verbose"]
+    try:
+        main(argv)
+    except errors as exc:
+        return fail(exc, verbose=verbose)
+    return 0
