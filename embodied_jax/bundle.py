@@ -5,12 +5,15 @@ the run's per-sample transform (``DataSource.serving_transform``: the very
 ``SampleTransform`` the Grain pipeline applied to every training sample, without
 augmentation). ``predict(raw)`` takes a robot's raw observation in dataset keys::
 
-    {"observation.state": float [B, S] (or [S]),
-     "observation.images.<camera>": uint8 [B, H, W, 3],
-     "task": str or a list of B strings}
+    {"observation.state": float [S],
+     "observation.images.<camera>": uint8 [H, W, 3],
+     "task": str}
 
-applies that transform on the host, samples action chunks with one jitted call and
-returns them unnormalised (delta actions turned back into absolute ones).
+or a batch of them (a leading B on every array; ``task`` one str or B of them), applies
+that transform on the host, samples action chunks with one jitted call and returns them
+unnormalised and absolute (delta actions turned back): [horizon, action_dim] for one
+observation, [B, horizon, action_dim] for a batch. Every key, shape, dtype and value
+range, and each ``ObservationError``, is described in ``docs/observations.md``.
 
 ``act_fn(instruction)`` gives the simulator's evaluator a jittable ``act(params,
 observation, rng) -> [B, H, A]`` and the parameters to call it with; the host
@@ -21,6 +24,7 @@ bundle from a checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,6 +36,7 @@ from flax import nnx
 from embodied_jax.data.samples import to_absolute_actions
 from embodied_jax.data.stats import FeatureStats, Normalizer
 from embodied_jax.errors import InputError
+from embodied_jax.nn import rtc
 from embodied_jax.nn.traced import merge_in_trace
 
 ActFn = Callable[[Any, dict[str, Any], jax.Array], jax.Array]
@@ -48,10 +53,41 @@ def _stack(samples: list[dict]) -> dict:
     return np.stack([np.asarray(s) for s in samples])
 
 
+@dataclasses.dataclass(frozen=True)
+class RtcPrefix:
+    """Real-time chunking input of one request: ``actions`` [P, A], the previous chunk's actions
+    (robot units) from the new chunk's first step on, P <= horizon; ``delay``: how many of them
+    execute while the new chunk is sampled (0 <= delay <= P)."""
+
+    actions: np.ndarray
+    delay: int
+
+    def check(self, horizon: int, width: int) -> np.ndarray:
+        actions = np.asarray(self.actions)
+        if actions.ndim != 2 or not 1 <= actions.shape[0] <= horizon or actions.shape[1] != width:
+            raise ObservationError(
+                f"prefix_actions: expected float32 [P, {width}] with 1 <= P <= {horizon}, got shape {actions.shape}"
+            )
+        if actions.dtype.kind != "f" or not np.isfinite(actions).all():
+            raise ObservationError(f"prefix_actions: expected finite float values, got dtype {actions.dtype}")
+        if not 0 <= self.delay <= actions.shape[0]:
+            raise ObservationError(f"inference_delay: expected 0 <= delay <= {actions.shape[0]}, got {self.delay}")
+        return actions.astype(np.float32)
+
+
+def row_keys(rng: jax.Array, rows: int) -> jax.Array:
+    """The per-row keys of a call with ``rng``: ``predict`` and the server derive them alike."""
+    return jax.random.split(rng, rows)
+
+
 class PolicyBundle:
     """``config``: the run's ``ExperimentConfig``; ``model``: its built ``Policy``; ``norm_stats``:
     the statistics saved with the checkpoint (JSON); ``seed``: of the key ``predict`` advances
-    when it is given none."""
+    when it is given none.
+
+    What an observation must match: ``inputs.state_key`` and ``inputs.camera_keys`` (its keys),
+    ``state_dim`` and ``image_size`` (None where the run does not fix them); ``action_dim``:
+    the width of the actions it returns."""
 
     def __init__(
         self, config: Any, model: nnx.Module, norm_stats: Mapping[str, Any] | None, *, step: int, seed: int = 0
@@ -68,38 +104,94 @@ class PolicyBundle:
         self._delta_action_mask = data.spec.delta_action_mask
         action_stats = self.stats.get(self.inputs.action_key)
         self.action_dim = int(np.asarray(action_stats.mean).shape[-1]) if action_stats is not None else None
+        state_stats = self.stats.get(self.inputs.state_key)
+        self.state_dim = int(np.asarray(state_stats.mean).shape[-1]) if state_stats is not None else None
+        # The size every camera's images are resized to for the model (None: the run takes them as they are).
+        size = self.transform.images.size
+        self.image_size = None if size is None else tuple(int(x) for x in size)
         self.params = nnx.state(model)
         # NNX modules may not cross a trace boundary: jitted code rebuilds the model from its state.
         self._graphdef = nnx.graphdef(model)
         self._sample = jax.jit(lambda params, obs, rng: self._merge(params).sample_actions(obs, rng))
+        self._sample_rows = jax.jit(self._rows_sampler)
+        self._sample_rows_rtc = jax.jit(self._rows_sampler)  # compiled separately: the guided sampler
         self._rng = jax.random.key(seed)
+
+    def _rows_sampler(self, params, obs, keys, prefix=None, weights=None):
+        """Each row sampled with its own key (``vmap`` of a batch of one): a row's actions do not
+        depend on the rows it is batched with (the policy server batches unrelated requests).
+        ``prefix``/``weights``: real-time chunking per row (``nn/rtc.py``; zero weights: plain)."""
+
+        def one(row, key, *guide):  # the model is rebuilt inside vmap's trace (NNX modules may not cross it)
+            model = self._merge(params)
+            row = jax.tree.map(lambda x: x[None], row)
+            if not guide:
+                return model.sample_actions(row, key)[0]
+            return model.sample_actions(row, key, prefix_actions=guide[0][None], prefix_weights=guide[1][None])[0]
+
+        if prefix is None:
+            return jax.vmap(one)(obs, keys)
+        return jax.vmap(one)(obs, keys, prefix, weights)
 
     def _merge(self, params) -> nnx.Module:
         return merge_in_trace(self._graphdef, params)  # the evaluator calls act inside its scans
 
     # ------------------------------------------------------------------ host side
-    def _check(self, raw: Mapping[str, Any], image_range: tuple[float, float] | None) -> dict[str, np.ndarray]:
-        """The observation's state and images as validated arrays (images uint8), each problem named."""
-        keys = (self.inputs.state_key, "task", *self.inputs.camera_keys)
+    def _check(
+        self, raw: Mapping[str, Any], image_range: tuple[float, float] | None, resize: bool
+    ) -> tuple[dict[str, np.ndarray], list[str] | None]:
+        """The observation's state and images as validated arrays (images uint8) and its tasks
+        (None when unbatched), each problem named."""
+        state_key, cameras = self.inputs.state_key, self.inputs.camera_keys
+        keys = (state_key, "task", *cameras)
         missing = [k for k in keys if k not in raw]
         if missing:
             raise ObservationError(f"observation lacks {missing}; a policy of this run needs {list(keys)}")
-        state = np.asarray(raw[self.inputs.state_key])
-        if state.ndim not in (1, 2) or not np.issubdtype(state.dtype, np.number):
+        state = np.asarray(raw[state_key])
+        if state.ndim not in (1, 2):
+            raise ObservationError(f"{state_key}: expected a state [S] or a batch of states [B, S], got {state.shape}")
+        if state.dtype.kind not in "fiu":
+            raise ObservationError(f"{state_key}: expected real numbers (float or int), got dtype {state.dtype}")
+        if self.state_dim is not None and state.shape[-1] != self.state_dim:
             raise ObservationError(
-                f"{self.inputs.state_key}: expected numbers [S] or [B, S], got {state.dtype} {state.shape}"
+                f"{state_key}: expected {self.state_dim} values per state (the run's state), got shape {state.shape}"
             )
         state = state.astype(np.float32)
         if not np.isfinite(state).all():
-            raise ObservationError(f"{self.inputs.state_key} holds non-finite values: {state.tolist()}")
-        batch = None if state.ndim == 1 else state.shape[0]
-        out = {self.inputs.state_key: state}
-        for key in self.inputs.camera_keys:
-            image = np.asarray(raw[key])
-            want_ndim = 3 if batch is None else 4
-            if image.ndim != want_ndim or image.shape[-1] != 3 or (batch is not None and image.shape[0] != batch):
+            raise ObservationError(f"{state_key} holds non-finite values: {state.tolist()}")
+        images = {key: np.asarray(raw[key]) for key in cameras}
+        for key, image in images.items():
+            if image.ndim not in (3, 4):
+                raise ObservationError(
+                    f"{key}: expected an image [H, W, 3] or a batch [B, H, W, 3], got shape {image.shape}"
+                )
+        batched = {state_key: state.ndim == 2, **{key: image.ndim == 4 for key, image in images.items()}}
+        task = raw["task"]
+        if isinstance(task, (list, tuple, np.ndarray)) and all(isinstance(t, str) for t in task):
+            batched["task"] = True
+            tasks = list(task)
+        elif not isinstance(task, str):
+            raise ObservationError(f"task: expected the instruction as a str (or B of them), got {type(task).__name__}")
+        if len(set(batched.values())) > 1:
+            with_batch = [k for k, b in batched.items() if b]
+            without = [k for k, b in batched.items() if not b]
+            raise ObservationError(
+                f"observation mixes batched keys {with_batch} with unbatched keys {without}: give every key a "
+                f"leading batch dimension B, or none"
+            )
+        batch = state.shape[0] if state.ndim == 2 else None
+        out = {state_key: state}
+        for key, image in images.items():
+            if image.shape[-1] != 3 or (batch is not None and image.shape[0] != batch):
                 layout = "[H, W, 3]" if batch is None else f"[{batch}, H, W, 3] (one per state)"
                 raise ObservationError(f"{key}: expected an RGB image {layout}, got shape {image.shape}")
+            size = tuple(image.shape[-3:-1])
+            if min(size) < 1 or (self.image_size is not None and size != self.image_size and not resize):
+                h, w = self.image_size or ("H", "W")
+                raise ObservationError(
+                    f"{key}: expected images of the policy's input size [{h}, {w}, 3], got shape {image.shape} "
+                    f"(predict(..., resize=True) resizes other sizes with padding, as the training pipeline did)"
+                )
             if image.dtype == np.uint8:
                 out[key] = image
             elif np.issubdtype(image.dtype, np.floating) and image_range is not None:
@@ -114,24 +206,25 @@ class PolicyBundle:
                 )
             else:
                 raise ObservationError(f"{key}: images must be uint8 (or float with image_range), got {image.dtype}")
-        return out
+        if batch is None:
+            return out, None
+        tasks = tasks if batched.get("task") else [task] * batch
+        if len(tasks) != batch:
+            raise ObservationError(f"task: the observation has {batch} states but {len(tasks)} tasks")
+        return out, tasks
 
     def preprocess(
-        self, raw: Mapping[str, Any], *, image_range: tuple[float, float] | None = None
+        self, raw: Mapping[str, Any], *, image_range: tuple[float, float] | None = None, resize: bool = False
     ) -> dict[str, np.ndarray]:
-        """Raw batched observation -> the model's observation batch (NumPy). ``image_range``: the
-        value range of float images (uint8 images need none)."""
-        checked = self._check(raw, image_range)
+        """Raw observation (one or a batch) -> the model's observation batch (NumPy; B = 1 for one).
+        ``image_range``: the value range of float images (uint8 images need none); ``resize``:
+        accept images of another size than ``image_size`` (resized with padding)."""
+        checked, tasks = self._check(raw, image_range, resize)
+        single = tasks is None
         state = checked[self.inputs.state_key]
-        single = state.ndim == 1
-        batch = 1 if single else state.shape[0]
-        tasks = raw["task"]
-        tasks = [tasks] * batch if isinstance(tasks, str) else list(tasks)
-        if len(tasks) != batch:
-            raise ObservationError(f"observation has {batch} states but {len(tasks)} tasks")
         samples = []
-        for i in range(batch):
-            sample = {self.inputs.state_key: state if single else state[i], "task": tasks[i]}
+        for i, task in enumerate([raw["task"]] if single else tasks):
+            sample = {self.inputs.state_key: state if single else state[i], "task": task}
             for key in self.inputs.camera_keys:
                 sample[key] = checked[key] if single else checked[key][i]
             out = self.transform(sample)
@@ -156,32 +249,118 @@ class PolicyBundle:
         return actions
 
     def predict(
-        self, raw: Mapping[str, Any], *, rng: jax.Array | None = None, image_range: tuple[float, float] | None = None
+        self,
+        raw: Mapping[str, Any],
+        *,
+        rng: jax.Array | None = None,
+        image_range: tuple[float, float] | None = None,
+        resize: bool = False,
     ) -> np.ndarray:
-        """Unnormalised action chunks [B, horizon, action_dim] for a raw observation.
+        """Unnormalised absolute action chunks: [horizon, action_dim] for one observation (state
+        [S], images [H, W, 3]), [B, horizon, action_dim] for a batch (docs/observations.md).
 
         Without ``rng`` each call draws fresh noise from the bundle's own key (split on every
-        call, starting from ``seed``); the same explicit ``rng`` gives the same actions. Images
-        are uint8, or float with ``image_range=(lo, hi)``; a bad observation is an
-        ``ObservationError`` naming the key.
+        call, starting from ``seed``); the same explicit ``rng`` gives the same actions, and one
+        observation gives the first row of the same observation as a batch of one. Images are
+        uint8, or float with ``image_range=(lo, hi)``, of size ``image_size`` (any size with
+        ``resize=True``); a bad observation is an ``ObservationError`` naming the key.
         """
         if rng is None:
             self._rng, rng = jax.random.split(self._rng)
-        obs = self.preprocess(raw, image_range=image_range)
-        actions = np.asarray(self._sample(self.params, jax.tree.map(jnp.asarray, obs), rng))
+        obs = self.preprocess(raw, image_range=image_range, resize=resize)
+        rows = next(iter(jax.tree.leaves(obs))).shape[0]
+        actions = np.asarray(self._sample_rows(self.params, jax.tree.map(jnp.asarray, obs), row_keys(rng, rows)))
         state = np.asarray(raw[self.inputs.state_key], np.float32)
-        return self.postprocess(actions, state.reshape(actions.shape[0], -1))
+        actions = self.postprocess(actions, state.reshape(actions.shape[0], -1))
+        return actions[0] if state.ndim == 1 else actions
+
+    # ------------------------------------------------------------------ serving
+    @property
+    def action_shape(self) -> tuple[int, int]:
+        """(horizon, action_dim) of one observation's actions."""
+        horizon = int(self.config.model.action_horizon)
+        return horizon, int(self.action_dim if self.action_dim is not None else self.config.model.action_dim)
+
+    def observation_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{key: (shape, dtype)}`` of one unbatched observation (dtype "str" for the task)."""
+        if self.state_dim is None or self.image_size is None:
+            raise ObservationError("this run fixes no state width or image size: its observations cannot be described")
+        spec = {self.inputs.state_key: ((self.state_dim,), "float32")}
+        for key in self.inputs.camera_keys:
+            spec[key] = ((*self.image_size, 3), "uint8")
+        spec["task"] = ((), "str")
+        return spec
+
+    def check_observation(self, raw: Mapping[str, Any], *, batched: bool | None = None) -> None:
+        """Raise an ``ObservationError`` naming what is wrong with ``raw`` (unknown keys included);
+        ``batched``: require a batched (True) or an unbatched (False) observation."""
+        expected = {self.inputs.state_key, "task", *self.inputs.camera_keys}
+        unknown = sorted(set(raw) - expected)
+        if unknown:
+            raise ObservationError(f"unknown keys {unknown}; a policy of this run takes {sorted(expected)}")
+        _, tasks = self._check(raw, None, False)
+        if batched is not None and (tasks is not None) != batched:
+            state = np.shape(raw[self.inputs.state_key])
+            want = "one observation (state [S], images [H, W, 3])" if not batched else "a batch"
+            raise ObservationError(f"{self.inputs.state_key}: expected {want}, got a state of shape {state}")
+
+    def predict_rows(
+        self, observations: list[Mapping[str, Any]], keys: jax.Array, *, prefixes: list[RtcPrefix | None] | None = None
+    ) -> np.ndarray:
+        """Actions [N, horizon, action_dim] for N unbatched observations, row i from ``keys[i]``
+        (``row_keys(key, 1)[0]`` gives what ``predict(observation, rng=key)`` gives).
+
+        ``prefixes``: real-time chunking, one ``RtcPrefix`` (or None: plain sampling) per row;
+        given at all, the guided sampler runs for every row (a None row gets zero weights)."""
+        obs = _stack([self.preprocess(o) for o in observations])
+        obs = jax.tree.map(lambda x: jnp.asarray(x[:, 0]), obs)  # each preprocessed as a batch of one
+        if prefixes is None:
+            actions = self._sample_rows(self.params, obs, keys)
+        else:
+            prefix, weights = zip(*(self._guide(p) for p in prefixes), strict=True)
+            actions = self._sample_rows_rtc(self.params, obs, keys, jnp.stack(prefix), jnp.stack(weights))
+        state = np.stack([np.asarray(o[self.inputs.state_key], np.float32) for o in observations])
+        return self.postprocess(np.asarray(actions), state)
+
+    def _guide(self, prefix: RtcPrefix | None) -> tuple[np.ndarray, np.ndarray]:
+        """(target chunk in the model's normalised action space [H, A], weights [H])."""
+        horizon, width = self.action_shape
+        if prefix is None:
+            return np.zeros((horizon, width), np.float32), np.zeros((horizon,), np.float32)
+        actions = prefix.check(horizon, width)
+        if self._delta_action_mask is not None:
+            raise ObservationError("prefix_actions: real-time chunking of a delta-action policy is not supported")
+        if self._unnormalizer is not None:
+            key = self.inputs.action_key
+            actions = np.asarray(self._unnormalizer.normalize({key: actions})[key], np.float32)
+        padded = np.concatenate([actions, np.repeat(actions[-1:], horizon - len(actions), axis=0)])
+        weights = np.asarray(rtc.prefix_weights(horizon, prefix.delay, horizon - len(actions)))
+        return padded, weights
 
     # ------------------------------------------------------------------ in-jit form
-    def act_fn(self, instruction: str, camera_keys: Mapping[str, str] | None = None) -> tuple[ActFn, Any]:
+    def act_fn(
+        self,
+        instruction: str,
+        camera_keys: Mapping[str, str] | None = None,
+        *,
+        rtc: bool = False,
+        max_guidance: float = 5.0,
+    ) -> tuple[ActFn, Any]:
         """``(act, params)`` for ``sim.Evaluator``: ``act(params, observation, rng)`` is jittable.
 
         ``observation`` = {"state": [B, S], "images": {camera: uint8 [B, H, W, 3]}, ...};
         camera ``c`` is the dataset key ``observation.images.c`` unless ``camera_keys`` says
         otherwise. ``params`` are this bundle's weights; an evaluator compiled once can be called
         again with other weights of the same model (in-training evaluation).
+
+        ``rtc``: ``act(params, observation, rng, prefix_actions, prefix_weights)`` samples with
+        real-time chunking (``nn/rtc.py``, maximum guidance weight ``max_guidance``): ``prefix_actions``
+        [B, H, A] are robot actions as ``act`` returns them (unnormalised, absolute), turned into the
+        model's space here (delta dims relative to the observation's state, normalised with the run's
+        action statistics); ``prefix_weights`` [H] or [B, H]. Both None: plain sampling.
         """
         camera_keys = dict(camera_keys or {})
+        to_model_actions = self._model_actions_fn() if rtc else None
 
         def to_raw(state, images):
             raw = {self.inputs.state_key: np.asarray(state), "task": instruction}
@@ -190,7 +369,8 @@ class PolicyBundle:
             return raw
 
         def host_pre(state, images):
-            return self.preprocess(to_raw(state, images))
+            # The simulator renders at the evaluation's image size: resized like the dataset it collects.
+            return self.preprocess(to_raw(state, images), resize=True)
 
         def host_post(actions, state):
             return self.postprocess(np.asarray(actions), np.asarray(state)).astype(np.float32)
@@ -205,4 +385,49 @@ class PolicyBundle:
             out = jax.ShapeDtypeStruct((*actions.shape[:2], out_dim), jnp.float32)
             return jax.pure_callback(host_post, out, actions, state)
 
-        return act, self.params
+        def act_rtc(params, observation, rng, prefix_actions, prefix_weights):
+            state, images = observation["state"], observation["images"]
+            example = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), (state, images))
+            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_pre(*example))
+            obs = jax.pure_callback(host_pre, spec, state, images)
+            model = self._merge(params)
+            if prefix_actions is None:
+                actions = model.sample_actions(obs, rng, prefix_weights=prefix_weights)  # refuses weights alone
+            else:
+                prefix = to_model_actions(prefix_actions, state)
+                actions = model.sample_actions(
+                    obs, rng, prefix_actions=prefix, prefix_weights=prefix_weights, max_guidance=max_guidance
+                )
+            out_dim = self.action_dim or actions.shape[-1]
+            out = jax.ShapeDtypeStruct((*actions.shape[:2], out_dim), jnp.float32)
+            return jax.pure_callback(host_post, out, actions, state)
+
+        return (act_rtc if rtc else act), self.params
+
+    def _model_actions_fn(self) -> Callable[[jax.Array, jax.Array], jax.Array]:
+        """``f(actions [B, H, A], state [B, S])``: robot actions in the model's action space, the
+        jnp inverse of ``postprocess`` (delta dims made relative to the state, then normalised)."""
+        key = self.inputs.action_key
+        mode = None if self._unnormalizer is None else self._unnormalizer.modes.get(key)
+        stats = self.stats.get(key)
+        mask = None if self._delta_action_mask is None else np.asarray(self._delta_action_mask, bool)
+        eps = 1e-8  # data.stats' default, which postprocess unnormalises with
+
+        def to_model(actions, state):
+            actions = jnp.asarray(actions, jnp.float32)
+            width = self.action_dim or actions.shape[-1]
+            if actions.ndim != 3 or actions.shape[-1] != width:
+                raise ValueError(f"prefix_actions {actions.shape}: expected robot actions [B, H, {width}]")
+            if mask is not None:
+                dims = len(mask)
+                offset = jnp.where(mask, jnp.asarray(state, jnp.float32)[:, :dims], 0.0)
+                actions = actions.at[..., :dims].add(-offset[:, None, :])
+            if mode is None:
+                return actions
+            const = lambda v: jnp.asarray(np.asarray(v, np.float32))  # noqa: E731
+            if mode == "mean_std":
+                return (actions - const(stats.mean)) / (const(stats.std) + eps)
+            low, high = (stats.min, stats.max) if mode == "min_max" else (stats.q01, stats.q99)
+            return jnp.clip(2.0 * (actions - const(low)) / (const(high) - const(low) + eps) - 1.0, -1.0, 1.0)
+
+        return to_model

@@ -8,6 +8,10 @@ A family ships two classes (DESIGN.md, "Contracts"):
   hooks have defaults here, so callers never probe for them;
 - a ``Policy``: the ``nnx.Module`` it builds, with ``loss`` and ``sample_actions``.
 
+Before a run on a dataset the data source fits the config to the dataset's metadata
+(``fit_to_dataset`` with ``DatasetFeatures``: cameras, state and action widths), so the
+saved config is the one that trained and loading a policy never needs the dataset.
+
 Metrics returned by ``loss`` may contain ``tokens`` (real, non-padding tokens) and
 ``examples`` (real samples; packed rows hold several), from which the trainer reports
 throughput.
@@ -16,8 +20,9 @@ throughput.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 from flax import nnx
@@ -35,14 +40,50 @@ class Policy(Protocol):
     ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
     def sample_actions(
-        self, observation: Batch, rng: jax.Array, *, num_steps: int | None = None, noise: jax.Array | None = None
-    ) -> jax.Array: ...
+        self,
+        observation: Batch,
+        rng: jax.Array,
+        *,
+        num_steps: int | None = None,
+        noise: jax.Array | None = None,
+        prefix_actions: jax.Array | None = None,
+        prefix_weights: jax.Array | None = None,
+        max_guidance: float = 5.0,
+    ) -> jax.Array:
+        """A normalised action chunk [B, horizon, action_dim] for an unpacked observation.
+
+        Real-time chunking (``nn/rtc.py``; π0.5 and GR00T): ``prefix_actions`` [B, horizon, action_dim]
+        (the model's normalised action space; usually the previous chunk shifted by the steps it
+        executed, ``rtc.shift_prefix``) and ``prefix_weights`` [horizon] or [B, horizon]
+        (``rtc.prefix_weights``) guide sampling so the chunk continues the actions still executing;
+        steps of weight 1 are returned as the prefix. ``max_guidance`` is the paper's β. None: plain
+        sampling, unchanged."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetFeatures:
+    """What a dataset offers a model, from its metadata (``PolicyConfig.fit_to_dataset``)."""
+
+    camera_keys: tuple[str, ...]  # the dataset cameras the run reads, in order
+    # Their names: modality.json's video names, or the slots the run maps them to
+    # (--data.inputs.cameras); None when the dataset names none of them.
+    camera_names: tuple[str, ...] | None
+    state_dim: int
+    action_dim: int
+    fps: float
+    modality: bool  # the samples carry meta/modality.json's views (state.<group>, ...)
 
 
 class PolicyConfig(abc.ABC):
     """Base of every model family's config (subclasses are frozen dataclasses)."""
 
     remat_policy: str = "none"  # what the layer stacks keep for the backward pass (nn.stack)
+    camera_names: tuple[str, ...] = ()  # image slots, in order (none: the model reads no images)
+    action_horizon: int = 0  # steps of each action chunk a sample holds (0: the family names none)
+    # Fields that name files the model reads (a tokenizer): copied into every checkpoint and
+    # exported policy (``embodied_jax.assets``), so a policy loads wherever it is moved.
+    asset_fields: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
     def make(self, rngs: nnx.Rngs) -> nnx.Module:
@@ -57,6 +98,12 @@ class PolicyConfig(abc.ABC):
         "images", "actions"}``) into model inputs; ``packed``: its variable-length form for
         ``data/packing.py``. Families that train only on synthetic data have none."""
         raise TypeError(f"{type(self).__name__} has no input builder: it trains on synthetic batches only")
+
+    def fit_to_dataset(self, features: DatasetFeatures) -> PolicyConfig:
+        """This config with the fields a dataset determines taken from ``features`` (run once
+        before training, ``DataSource.fit``); a dataset the model cannot take is a ``ValueError``
+        that names what does not fit and the flag that would. Default: unchanged."""
+        return self
 
     def freeze_regexes(self) -> tuple[str, ...]:
         """Parameter-path regexes the model itself keeps frozen (added to ``optimizer.freeze``)."""

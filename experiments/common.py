@@ -49,13 +49,16 @@ def experiment(
 def lerobot_data(
     root: str | None,
     *,
-    action_horizon: int,
     image_size: int,
-    cameras: tuple[tuple[str, str], ...],
     norm: str,
+    cameras: tuple[tuple[str, str], ...] = (),
+    action_horizon: int | None = None,
     use_modality: bool = False,
 ) -> LeRobotData:
-    """One LeRobot dataset -> the model's input builder, state and actions normalised with ``norm``."""
+    """One LeRobot dataset -> the model's input builder, state and actions normalised with ``norm``.
+
+    ``cameras`` () and ``action_horizon`` None: taken from the dataset and the model when the run
+    starts (``DataSource.fit``), so ``--data.root DIR`` is all a run on another dataset needs."""
     return LeRobotData(
         DataConfig(
             sources=(),

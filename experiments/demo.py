@@ -39,6 +39,7 @@ CAMERAS = (("observation.images.scene", "base_0_rgb"), ("observation.images.wris
 GR00T_CAMERAS = (("observation.images.scene", "ego_view"), ("observation.images.wrist", "wrist_view"))
 GR00T_PAD = "<|endoftext|>"
 COLLECT_NOISE = {"reach": 0.015}  # metres, per task (see DemoConfig.collect_noise)
+RECORD = "demo.json"  # what a demo run directory was made for (task, model)
 
 
 def demo_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -> Pi05Config:
@@ -187,28 +188,72 @@ class DemoConfig(ExperimentConfig):
             raise ValueError(f"tokenizer={self.tokenizer!r}: one of {sorted(builders)}")
         return builders[self.tokenizer]()
 
+    def run_directory(self) -> pathlib.Path:
+        """``--workdir``, or by default one directory per task: ``runs/demo/<task>``."""
+        if self.workdir == self.default_workdir():
+            return pathlib.Path(self.workdir) / self.task
+        return pathlib.Path(self.workdir)
+
+    def default_workdir(self) -> str:
+        return f"runs/{self.name}"
+
+    def check_reuse(self, workdir: pathlib.Path) -> None:
+        """Refuse a run directory made for another task or model: resuming its checkpoint or
+        training on its dataset would report a policy that never saw this task."""
+        from embodied_jax.sim.tasks import TASKS
+        from embodied_jax.train.loop import ConfigError
+
+        dataset = workdir / "dataset"
+        if dataset.is_dir() and any(dataset.iterdir()) and not (dataset / "meta" / "info.json").exists():
+            raise ConfigError(
+                f"{dataset} exists but holds no LeRobot dataset (no meta/info.json): remove it or "
+                f"choose another --workdir"
+            )
+        wanted = {"task": self.task, "model": type(self.model).__name__}
+        record = workdir / RECORD
+        if record.exists():
+            saved = json.loads(record.read_text())
+            changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in wanted.items() if saved.get(k) != v]
+            if changed:
+                raise ConfigError(
+                    f"{workdir} holds a demo run of another kind ({', '.join(changed)}): choose another "
+                    f"--workdir (by default each task has its own: runs/{self.name}/<task>)"
+                )
+        if (dataset / "meta" / "info.json").exists():
+            from embodied_jax.data.lerobot import LeRobotDataset
+
+            tasks = LeRobotDataset(dataset).tasks
+            instruction = TASKS[self.task].instruction
+            if list(tasks) != [instruction]:
+                raise ConfigError(
+                    f"{dataset} holds demonstrations of {list(tasks)}, not of '{self.task}' ({instruction!r}): "
+                    f"choose another --workdir (by default each task has its own: runs/{self.name}/<task>)"
+                )
+        workdir.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(wanted))
+
     def run(self) -> int:
         from embodied_jax import load_policy
         from embodied_jax.sim.collect import collect
         from embodied_jax.train.loop import train
 
         t0 = time.perf_counter()
-        workdir = pathlib.Path(self.workdir)
+        workdir = self.run_directory()
         dataset = workdir / "dataset"
-        if dataset.is_dir() and any(dataset.iterdir()) and not (dataset / "meta" / "info.json").exists():
-            from embodied_jax.train.loop import ConfigError
+        self.check_reuse(workdir)
+        if (dataset / "meta" / "info.json").exists():
+            from embodied_jax.data.lerobot import LeRobotDataset
 
-            raise ConfigError(
-                f"{dataset} exists but holds no LeRobot dataset (no meta/info.json): remove it or "
-                f"choose another --workdir"
-            )
-        if not (dataset / "meta" / "info.json").exists():
+            episodes = LeRobotDataset(dataset).num_episodes
+            print(f"[1/4] reusing {dataset} ({self.task}, {episodes} episodes)", flush=True)
+        else:
             print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
             noise = COLLECT_NOISE.get(self.task, 0.0) if self.collect_noise is None else self.collect_noise
             collect(self.task, self.episodes, dataset, image_size=tuple(self.data.data.image_size), noise=noise)
         tokenizer = self.build_tokenizer(workdir)
         config = dataclasses.replace(
             self,
+            workdir=str(workdir),
             model=dataclasses.replace(self.model, tokenizer_path=str(tokenizer)),
             data=dataclasses.replace(
                 self.data, root=str(dataset), data=dataclasses.replace(self.data.data, sources=())
@@ -228,28 +273,18 @@ class DemoConfig(ExperimentConfig):
             print(f"checkpoints: {result.checkpoint_dir}")
             return 0
         print(f"[3/4] evaluating in batched MJX ({self.eval_envs} environments) ...", flush=True)
-        bundle = load_policy(workdir)
-        evaluator, params = dataclasses.replace(config.evaluation, num_envs=self.eval_envs).evaluator(
-            bundle, num_videos=self.num_videos
-        )
+        from embodied_jax.evaluate import evaluate_policy, report_lines, summary_line
+
+        # Image size, execute_steps and seed: the run's saved evaluation (the task trained on).
         out = workdir / "eval"
-        metrics = evaluator(params=params, out_dir=out)
-        (out / "results.json").write_text(json.dumps(metrics, indent=2))
+        metrics = evaluate_policy(
+            load_policy(workdir), self.task, envs=self.eval_envs, videos=self.num_videos, out_dir=out
+        )
         minutes = (time.perf_counter() - t0) / 60
-        low, high = metrics["success_ci95"]
         losses = [h["loss"] for h in result.history if "loss" in h]
         final = f"; final loss {losses[-1]:.4f}" if losses else ""
-        print(
-            f"[4/4] {self.task}: success rate {metrics['success_rate']:.1%} "
-            f"(95% CI {low:.1%}-{high:.1%}, {metrics['episodes']} episodes), "
-            f"mean episode length {metrics['mean_episode_length']:.1f} steps{final}; "
-            f"wall time {minutes:.1f} min"
-        )
-        print(f"results: {out / 'results.json'}")
-        for video in metrics.get("videos", []):
-            print(f"video: {video}")
-        if "frame_grid" in metrics:
-            print(f"frames: {metrics['frame_grid']}")
+        print(f"[4/4] {summary_line(metrics)}{final}; wall time {minutes:.1f} min")
+        print("\n".join(report_lines(metrics, out)))
         print(f"tensorboard: {workdir / 'tensorboard'}")
         return 0
 

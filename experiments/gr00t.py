@@ -15,7 +15,7 @@ from embodied_jax.models.gr00t import Gr00tConfig
 from embodied_jax.models.gr00t_action_head import ActionHeadConfig
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
-from embodied_jax.train.config import ExperimentConfig, OptimizerConfig, TrainConfig
+from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
 from experiments.common import BENCH_TRAIN, DATASET, experiment, full_size, lerobot_data
 from experiments.registry import register
 
@@ -109,40 +109,60 @@ def gr00t_tiny() -> ExperimentConfig:
     )
 
 
-# modality.json's default video name "ego_view" -> observation.images.ego_view; others: --data.inputs.cameras
-FINETUNE_CAMERAS = (("observation.images.ego_view", "ego_view"),)
-
-
-def finetune_data(
-    root: str | None, *, action_horizon: int, image_size: int, cameras: tuple[tuple[str, str], ...] = FINETUNE_CAMERAS
-) -> LeRobotData:
+def finetune_data(root: str | None, *, image_size: int) -> LeRobotData:
     """A LeRobot dataset with ``meta/modality.json`` → the GR00T input builder, state and actions
-    min-max normalised to [-1, 1] as upstream."""
-    return lerobot_data(
-        root, action_horizon=action_horizon, image_size=image_size, cameras=cameras, norm="min_max", use_modality=True
-    )
+    min-max normalised to [-1, 1] as upstream; cameras (modality.json's videos), widths and the
+    action horizon come from the dataset and the model at the start of a run."""
+    return lerobot_data(root, image_size=image_size, norm="min_max", use_modality=True)
 
 
 @register(
     "gr00t_finetune",
-    "GR00T-N1.5 on a LeRobot dataset with meta/modality.json: --data.root DIR "
-    "--model.tokenizer-path FILE --init-from CKPT_DIR",
+    "GR00T-N1.5 on a LeRobot dataset with meta/modality.json: --data.root DIR --init-from WEIGHTS",
 )
 def gr00t_finetune() -> ExperimentConfig:
     """Finetune GR00T-N1.5 on a new embodiment (slot ``--model.embodiment-id``, default 31 =
     upstream's ``new_embodiment``), with upstream's default freezing (vision tower, ``mlp1`` and
     LLM frozen; projector, DiT, VL adapter and future tokens trained; ``--model.tune-visual`` etc.).
 
-        python -m experiments.launch gr00t_finetune --data.root DATASET_DIR \\
-            --model.tokenizer-path QWEN3_TOKENIZER_JSON --init-from CKPT_DIR \\
-            [--data.inputs.cameras DATASET_KEY SLOT ...]
+        python -m experiments.launch gr00t_finetune --data.root DATASET_DIR --init-from WEIGHTS \\
+            [--workdir RUN_DIR] [--dry-run]
 
-    ``CKPT_DIR`` is ``python -m embodied_jax.models.convert --arch gr00t_n15`` output. Camera slots
-    are ``--model.camera-names``; ``--data.data.spec.camera-keys`` limits decoding to the cameras used.
+    ``WEIGHTS`` is ``python -m embodied_jax.models.convert --arch gr00t_n15`` output (or a run, a
+    step or an exported policy); it also supplies the tokenizer unless ``--model.tokenizer-path``
+    names one. The image slots are the videos of the dataset's ``meta/modality.json`` under their
+    names (the mapping is logged; ``--data.inputs.cameras DATASET_KEY SLOT ...`` overrides it), the
+    prompt grown by their image blocks; state and actions must fit ``max_state_dim``/``action_dim``;
+    the action horizon is ``--model.action-horizon``. ``--dry-run`` checks all of it.
     """
     steps = 10_000
     model = FULL_MODEL
-    data = finetune_data(DATASET, action_horizon=model.action_horizon, image_size=model.vision.image_size)
+    data = finetune_data(DATASET, image_size=model.vision.image_size)
     return full_size(
         "gr00t_finetune", model, optimizer=_optimizer(model, warmup_steps=steps // 20), steps=steps, data=data
+    )
+
+
+@register(
+    "gr00t_finetune_tiny",
+    "gr00t_finetune with the demo's small GR00T (20 steps on a laptop): --data.root DIR --init-from WEIGHTS",
+)
+def gr00t_finetune_tiny() -> ExperimentConfig:
+    """``gr00t_finetune`` at the demo's size (``experiments.demo.demo_gr00t_model``: 32² images,
+    4-dim actions, horizon 8; backbone frozen as upstream's finetune), so a ``demo_gr00t`` run's
+    checkpoint is its ``WEIGHTS`` (tokenizer included)::
+
+        python -m embodied_jax.sim.collect reach --episodes 20 --out DATASET_DIR
+        python -m experiments.launch gr00t_finetune_tiny --data.root DATASET_DIR --init-from runs/demo_gr00t/reach
+    """
+    from experiments.demo import demo_gr00t_model  # the demo pulls in the simulator: only when asked for
+
+    model = dataclasses.replace(demo_gr00t_model(), tune_visual=False, tune_llm=False)
+    return experiment(
+        "gr00t_finetune_tiny",
+        model,
+        data=finetune_data(DATASET, image_size=model.vision.image_size),
+        train=TrainConfig(steps=20, batch_size=8, log_every=5),
+        optimizer=_optimizer(model, warmup_steps=2),
+        checkpoint=CheckpointConfig(save_every=20, keep_last=1),
     )

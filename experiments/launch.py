@@ -2,7 +2,8 @@
 
 ``--help`` lists the experiments; ``NAME --help`` lists every field that can be
 overridden. With no NAME it runs the default demo. ``--dry-run`` (with ``--compile``)
-only reports shapes, parameter counts, memory and collectives; ``--virtual-devices N``
+checks the dataset against the model, as a run does first, then only reports shapes,
+parameter counts, memory and collectives; ``--virtual-devices N``
 simulates N CPU devices, so ``NAME --dry-run --compile --virtual-devices 256 --mesh.data 1
 --mesh.fsdp 256`` compiles the step for a 256-device cluster. Multi-process jobs take
 ``--coordinator HOST:PORT --num-processes N --process-id I`` or find their peers
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse(sys.argv[1:] if argv is None else argv)
 
     from embodied_jax.parallel.virtual_devices import use_virtual_devices
-    from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build, validate_outputs
+    from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build, prepare, validate_outputs
 
     try:
         if config.virtual_devices is not None:
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             from embodied_jax.train.dry_run import report
 
             distributed.initialize(config.distributed)
+            config = prepare(config)  # opens the data and checks it against the model, as a real run does
             rt = build(config)
             validate_outputs(config)  # what a real run would check before writing
             report(rt, compile=config.compile, gpu_memory_gb=config.gpu_memory_gb)

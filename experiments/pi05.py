@@ -99,38 +99,59 @@ def pi05_tiny() -> ExperimentConfig:
     )
 
 
-# LIBERO's camera names (LeRobot's π0.5 finetuning example); other datasets: --data.inputs.cameras
-FINETUNE_CAMERAS = (("observation.images.image", "base_0_rgb"), ("observation.images.wrist_image", "left_wrist_0_rgb"))
-
-
-def finetune_data(
-    root: str | None, *, action_horizon: int, image_size: int, cameras: tuple[tuple[str, str], ...] = FINETUNE_CAMERAS
-) -> LeRobotData:
-    """One LeRobot dataset → the π0.5 input builder, state and actions quantile-normalised (upstream)."""
-    return lerobot_data(root, action_horizon=action_horizon, image_size=image_size, cameras=cameras, norm="quantile")
+def finetune_data(root: str | None, *, image_size: int) -> LeRobotData:
+    """One LeRobot dataset → the π0.5 input builder, state and actions quantile-normalised (upstream);
+    cameras, widths and the action horizon come from the dataset and the model at the start of a run."""
+    return lerobot_data(root, image_size=image_size, norm="quantile")
 
 
 @register(
     "pi05_finetune",
-    "π0.5 on a LeRobot dataset: --data.root DIR --model.tokenizer-path FILE --init-from CKPT_DIR [--model.lora-rank R]",
+    "π0.5 on a LeRobot dataset: --data.root DIR --init-from WEIGHTS (cameras and sizes from the dataset)",
 )
 def pi05_finetune() -> ExperimentConfig:
     """Finetune π0.5 on one LeRobot dataset (quantile statistics saved in every checkpoint).
 
-        python -m experiments.launch pi05_finetune --data.root DATASET_DIR \\
-            --model.tokenizer-path PALIGEMMA_TOKENIZER_MODEL --init-from CKPT_DIR \\
-            [--data.inputs.cameras DATASET_KEY SLOT ...] [--model.lora-rank 16]
+        python -m experiments.launch pi05_finetune --data.root DATASET_DIR --init-from WEIGHTS \\
+            [--workdir RUN_DIR] [--model.lora-rank 16] [--dry-run]
 
-    ``CKPT_DIR`` is ``python -m embodied_jax.models.convert --arch pi05`` output. With
-    ``--model.lora-rank`` > 0 only the LoRA adapters train (``Pi05Config.freeze_regexes``); frozen
-    weights are then stored in bfloat16. ``--data.data.spec.camera-keys`` limits decoding to the
-    cameras used.
+    ``WEIGHTS`` is ``python -m embodied_jax.models.convert --arch pi05`` output (or a run, a step or
+    an exported policy); it also supplies the tokenizer unless ``--model.tokenizer-path`` names one.
+    The dataset's cameras (``meta/info.json`` order) fill the image slots in order (the mapping is
+    logged; ``--data.inputs.cameras DATASET_KEY SLOT ...`` overrides it) and only those are decoded;
+    ``action_dim`` is the dataset's action width; the action horizon is ``--model.action-horizon``.
+    ``--dry-run`` checks all of it against the dataset. With ``--model.lora-rank`` > 0 only the LoRA
+    adapters train (``Pi05Config.freeze_regexes``); frozen weights are then stored in bfloat16.
     """
     steps = 30_000
     model = pi05_model()
-    data = finetune_data(DATASET, action_horizon=model.action_horizon, image_size=model.vision.image_size)
+    data = finetune_data(DATASET, image_size=model.vision.image_size)
     optimizer = OptimizerConfig(**_UPSTREAM_OPT, warmup_steps=1_000, decay_steps=steps, frozen_dtype=model.dtype)
     return full_size("pi05_finetune", model, optimizer=optimizer, steps=steps, data=data)
+
+
+@register(
+    "pi05_finetune_tiny",
+    "pi05_finetune with the demo's small π0.5 (20 steps on a laptop): --data.root DIR --init-from WEIGHTS",
+)
+def pi05_finetune_tiny() -> ExperimentConfig:
+    """``pi05_finetune`` at the demo's size (``experiments.demo.demo_model``: 32² images, 4-dim
+    actions, horizon 8), so a demo run's checkpoint is its ``WEIGHTS`` (tokenizer included)::
+
+        python -m embodied_jax.sim.collect reach --episodes 20 --out DATASET_DIR
+        python -m experiments.launch pi05_finetune_tiny --data.root DATASET_DIR --init-from runs/demo/reach
+    """
+    from experiments.demo import demo_model  # the demo pulls in the simulator: only when asked for
+
+    model = demo_model()
+    return experiment(
+        "pi05_finetune_tiny",
+        model,
+        data=finetune_data(DATASET, image_size=model.vision.image_size),
+        train=TrainConfig(steps=20, batch_size=8, log_every=5),
+        optimizer=OptimizerConfig(**dict(_UPSTREAM_OPT, lr=1e-4), warmup_steps=2),
+        checkpoint=CheckpointConfig(save_every=20, keep_last=1),
+    )
 
 
 def with_model(config: ExperimentConfig, **model_overrides) -> ExperimentConfig:

@@ -51,6 +51,36 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+DEMO_IMAGE = 32  # as tests/test_sim_collect.py: the expert rollout compiles once for both
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> pathlib.Path:
+    """One tiny demo run (collect, 4 training steps, evaluation) shared by every test module
+    that needs a trained policy: its run directory."""
+    import dataclasses
+
+    from embodied_jax.train.config import CheckpointConfig, MetricsConfig, TrainConfig
+    from experiments.demo import demo_config
+
+    workdir = tmp_path_factory.mktemp("demo")
+    base = demo_config(image_size=DEMO_IMAGE)
+    config = dataclasses.replace(
+        base,
+        episodes=6,
+        eval_envs=8,
+        num_videos=1,
+        workdir=str(workdir),
+        model=dataclasses.replace(base.model, num_inference_steps=2),  # plumbing, not success: cheap sampling
+        train=TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=4),  # in-training eval at the end
+        checkpoint=CheckpointConfig(save_every=4, keep_last=1, async_save=False),
+        metrics=MetricsConfig(progress_bar=False, tensorboard=False),
+        evaluation=dataclasses.replace(base.evaluation, num_envs=8, execute_steps=5),
+    )
+    assert config.run() == 0
+    return workdir
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU (run with JAX_PLATFORMS=cuda,cpu); skipped without one")
 

@@ -20,7 +20,7 @@ LIBRARY = ROOT / "embodied_jax"
 # sim read data, never a model; sim never imports train): what each part may import besides itself.
 # Top-level modules: the contracts, the error base, the command-line conventions and the
 # saved-config registry are importable from anywhere.
-ANYWHERE = {"cli", "config_registry", "errors", "policy", "variables"}
+ANYWHERE = {"assets", "cli", "config_registry", "errors", "policy", "variables"}
 ALLOWED = {
     "parallel": set(),
     "nn": {"parallel"},
@@ -31,7 +31,11 @@ ALLOWED = {
     "bundle": {"data", "nn", "parallel"},
     "evaluation": {"bundle", "sim", "parallel", "train"},
     "loading": {"bundle", "parallel", "train"},
+    "export": {"bundle", "loading", "train"},
+    "serve": {"__init__", "bundle", "loading"},
+    "evaluate": {"bundle", "loading", "evaluation", "sim", "parallel", "train", "data"},
     "__init__": {"bundle", "loading"},
+    "assets": set(),
     "cli": set(),
     "config_registry": set(),
     "errors": set(),

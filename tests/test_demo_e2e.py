@@ -12,30 +12,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from embodied_jax.train.config import CheckpointConfig, MetricsConfig, TrainConfig
+from embodied_jax.train.config import CheckpointConfig
 from experiments.demo import demo_config
-
-IMAGE = 32  # as tests/test_sim_collect.py: the expert rollout compiles once for both
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("demo")
-    base = demo_config(image_size=IMAGE)
-    config = dataclasses.replace(
-        base,
-        episodes=6,
-        eval_envs=8,
-        num_videos=1,
-        workdir=str(workdir),
-        model=dataclasses.replace(base.model, num_inference_steps=2),  # plumbing, not success: cheap sampling
-        train=TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=4),  # in-training eval at the end
-        checkpoint=CheckpointConfig(save_every=4, keep_last=1, async_save=False),
-        metrics=MetricsConfig(progress_bar=False, tensorboard=False),
-        evaluation=dataclasses.replace(base.evaluation, num_envs=8, execute_steps=5),
-    )
-    assert config.run() == 0
-    return workdir
+from tests.conftest import DEMO_IMAGE as IMAGE
 
 
 def test_demo_writes_dataset_checkpoint_and_report(demo_run):
@@ -251,3 +230,24 @@ def test_gr00t_demo_prompts_tokenize_without_unknown_words(tmp_path):
     assert config.tokenizer == "qwen3_words"
     with pytest.raises(ValueError, match="arch"):
         demo_config(arch="rt2")
+
+
+def test_a_rerun_for_another_task_in_the_same_workdir_is_refused(demo_run, capsys):
+    from experiments import launch
+
+    before = sorted(p.relative_to(demo_run) for p in demo_run.rglob("*"))
+    assert launch.main(["demo", "--task", "pick_place", "--workdir", str(demo_run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "task 'reach' -> 'pick_place'" in err[0], err
+    assert sorted(p.relative_to(demo_run) for p in demo_run.rglob("*")) == before
+
+
+def test_the_default_demo_directory_is_per_task():
+    import pathlib
+
+    from experiments.demo import demo_config
+
+    config = demo_config()
+    assert config.run_directory() == pathlib.Path("runs/demo/reach")
+    assert dataclasses.replace(config, task="pick_place").run_directory() == pathlib.Path("runs/demo/pick_place")
+    assert dataclasses.replace(config, workdir="elsewhere").run_directory() == pathlib.Path("elsewhere")

@@ -86,7 +86,7 @@ def test_the_lock_is_exclusive_within_one_process(tmp_path):
     [
         (["--checkpoint.keep-last", "0"], "checkpoint.keep_last=0 must be >= 1"),
         (["--checkpoint.keep-every", "0"], "checkpoint.keep_every=0 must be >= 1"),
-        (["--init-from", "/nonexistent/ckpt"], "init_from='/nonexistent/ckpt': no such checkpoint"),
+        (["--init-from", "/nonexistent/ckpt"], "init_from='/nonexistent/ckpt': no such file or directory"),
         (["--dry-run", "--checkpoint.keep-last", "0"], "checkpoint.keep_last=0 must be >= 1"),
     ],
 )
@@ -262,3 +262,36 @@ def test_clis_print_one_line_unless_verbose(tmp_path, capsys, module, argv, name
     assert len(err) == 1 and err[0].startswith("error: ") and names in err[0], err
     assert main([*argv, "--verbose"]) == 2
     assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["run", "checkpoints", "step"])
+def test_init_from_a_run_of_this_project_reads_its_weights(saved_run, tmp_path, caplog, where):
+    """A run dir, its checkpoints/ or a step dir: the newest (or named) step's parameters, a fresh schedule."""
+    import jax
+    import numpy as np
+
+    from embodied_jax.train.checkpoint import Checkpointer
+    from embodied_jax.train.config import CheckpointConfig
+
+    source, _ = saved_run
+    path = {"run": source, "checkpoints": source / "checkpoints", "step": source / "checkpoints" / "2"}[where]
+    config = dataclasses.replace(toy_config(tmp_path / "new", steps=1), init_from=str(path))
+    rt = loop.build(config)
+    state = loop.initial_state(rt)
+    ckpt = Checkpointer(source / "checkpoints", CheckpointConfig(async_save=False), read_only=True)
+    saved, _ = ckpt.restore(rt.abstract_state, rt.shardings, step=2 if where == "step" else 4)
+    ckpt.close()
+    assert int(state.step) == 0
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), state.params, saved.params)
+    assert all(jax.tree.leaves(same))
+    step = "2" if where == "step" else "4"
+    assert f"init_from: training checkpoint, step {step}" in caplog.text and "(reading params)" in caplog.text
+
+
+def test_init_from_something_else_is_named_before_anything_is_written(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    workdir = tmp_path / "run"
+    assert launch.main([*TOY_CLI, "--init-from", str(tmp_path / "empty"), "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds neither converted weights" in err[0], err
+    assert not workdir.exists()

@@ -62,6 +62,13 @@ def test_frames_decode_close_to_rendered_images(dataset):
     assert frame["observation.images.scene"].shape == (SIZE, SIZE, 3)
 
 
+def test_dataset_has_gr00t_modality_groups(dataset):
+    ds, _ = dataset
+    assert dict(ds.modality.state) == dict(ds.modality.action) == {"hand": (0, 3), "gripper": (3, 4)}
+    assert dict(ds.modality.video) == {"scene": "observation.images.scene", "wrist": "observation.images.wrist"}
+    assert dict(ds.modality.annotation) == {"human.task_description": "task_index"}
+
+
 def test_episodes_end_when_the_expert_succeeds(dataset):
     ds, expected = dataset
     env = env_lib.Env("reach")

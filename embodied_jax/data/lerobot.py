@@ -4,7 +4,8 @@ All per-frame numeric columns are read once with pyarrow into one contiguous arr
 feature; camera frames are decoded on demand (PyAV, per-process LRU of open files) or
 taken from PNG bytes in the parquet. Episodes are addressed by *position* (0..num_episodes-1
 over the episodes kept); `episode_indices[position]` is the dataset's own episode index.
-Every error about a malformed dataset names the file and the episode.
+Every error about a malformed dataset names the file and the episode. ``DatasetMeta`` is the
+metadata alone (``info.json``, ``modality.json``): what a run fits its model to.
 """
 
 from __future__ import annotations
@@ -114,6 +115,92 @@ def column_to_numpy(column: pa.ChunkedArray | pa.Array, shape: Sequence[int], *,
     return values.reshape((rows,) + shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class DatasetMeta:
+    """What ``meta/info.json`` and ``meta/modality.json`` say of a dataset, read without its tables
+    or videos (a run fits its model to this before anything else is read)."""
+
+    root: pathlib.Path
+    info: dict[str, Any]
+    modality: Modality | None
+
+    @classmethod
+    def read(cls, root: str | pathlib.Path, *, modality: Modality | None = None) -> DatasetMeta:
+        """``modality``: use this instead of ``meta/modality.json`` (read when present)."""
+        root = pathlib.Path(root)
+        info = _read_json(root / fmt.INFO_PATH)
+        version = str(info.get("codebase_version", ""))
+        if version not in fmt.SUPPORTED_VERSIONS:
+            raise DatasetError(
+                f"{root / fmt.INFO_PATH}: codebase_version {version!r} is not one of {fmt.SUPPORTED_VERSIONS}"
+            )
+        for key in ("fps", "features", "data_path"):
+            if key not in info:
+                raise DatasetError(f"{root / fmt.INFO_PATH}: missing field {key!r}")
+        modality_path = root / fmt.MODALITY_PATH
+        try:
+            if modality is None and modality_path.exists():
+                modality = Modality.load(modality_path)
+            if modality is not None:
+                modality.validate(info["features"], source=str(modality_path))
+        except ValueError as exc:
+            raise DatasetError(str(exc)) from exc
+        return cls(root, info, modality)
+
+    @property
+    def version(self) -> str:
+        return str(self.info["codebase_version"])
+
+    @property
+    def fps(self) -> float:
+        return float(self.info["fps"])
+
+    @property
+    def features(self) -> dict[str, dict]:
+        return self.info["features"]
+
+    @property
+    def video_keys(self) -> tuple[str, ...]:
+        return tuple(k for k, f in self.features.items() if f.get("dtype") == "video")
+
+    @property
+    def image_keys(self) -> tuple[str, ...]:
+        return tuple(k for k, f in self.features.items() if f.get("dtype") == "image")
+
+    @property
+    def camera_keys(self) -> tuple[str, ...]:
+        return self.video_keys + self.image_keys
+
+    @property
+    def vector_keys(self) -> tuple[str, ...]:
+        """Per-frame numeric features (state, action, ...), bookkeeping columns left out."""
+        return tuple(
+            k
+            for k, f in self.features.items()
+            if f.get("dtype") not in ("video", "image", "string") and k not in fmt.BOOKKEEPING_KEYS
+        )
+
+    def width(self, key: str) -> int:
+        """Values per frame of a numeric feature (its ``shape`` in info.json)."""
+        shape = self.features.get(key, {}).get("shape")
+        if not isinstance(shape, list) or not shape:
+            raise DatasetError(f"{self.root / fmt.INFO_PATH}: feature {key!r} has no shape (got {shape!r})")
+        return int(np.prod(shape))
+
+    def image_shape(self, key: str) -> tuple[int, int, int]:
+        """(H, W, C) of camera ``key`` from its info.json shape, stored HWC or CHW."""
+        feature = self.features.get(key, {})
+        shape = feature.get("shape")
+        if not isinstance(shape, list) or len(shape) != 3 or 3 not in (shape[0], shape[2]):
+            raise DatasetError(
+                f"{self.root / fmt.INFO_PATH}: camera {key!r} has shape {shape!r}, expected [H, W, 3] or [3, H, W]"
+            )
+        names = feature.get("names") or []
+        if list(names[:1]) == ["channels"] or (shape[0] == 3 and shape[2] != 3):
+            return int(shape[1]), int(shape[2]), int(shape[0])
+        return int(shape[0]), int(shape[1]), int(shape[2])
+
+
 class LeRobotDataset:
     """A LeRobot dataset on local disk (v2.0, v2.1 or v3.0).
 
@@ -139,37 +226,16 @@ class LeRobotDataset:
         self.root = pathlib.Path(root)
         self.tolerance_s = float(tolerance_s)
         self.skip_bad_episodes = skip_bad_episodes
-        self.info = _read_json(self.root / fmt.INFO_PATH)
-        self.version = str(self.info.get("codebase_version", ""))
-        if self.version not in fmt.SUPPORTED_VERSIONS:
-            raise DatasetError(
-                f"{self.root / fmt.INFO_PATH}: codebase_version {self.version!r} is not one of {fmt.SUPPORTED_VERSIONS}"
-            )
-        for key in ("fps", "features", "data_path"):
-            if key not in self.info:
-                raise DatasetError(f"{self.root / fmt.INFO_PATH}: missing field {key!r}")
-        self.fps = float(self.info["fps"])
-        self.features: dict[str, dict] = self.info["features"]
-        self.video_keys = tuple(k for k, f in self.features.items() if f.get("dtype") == "video")
-        self.image_keys = tuple(k for k, f in self.features.items() if f.get("dtype") == "image")
-        self.camera_keys = self.video_keys + self.image_keys
-        self.vector_keys = tuple(
-            k
-            for k, f in self.features.items()
-            if f.get("dtype") not in ("video", "image", "string") and k not in fmt.BOOKKEEPING_KEYS
-        )
-        modality_path = self.root / fmt.MODALITY_PATH
-        if modality is None and modality_path.exists():
-            try:
-                modality = Modality.load(modality_path)
-            except ValueError as exc:
-                raise DatasetError(str(exc)) from exc
-        self.modality = modality
-        if modality is not None:
-            try:
-                modality.validate(self.features, source=str(modality_path))
-            except ValueError as exc:
-                raise DatasetError(str(exc)) from exc
+        self.meta = DatasetMeta.read(self.root, modality=modality)
+        self.info = self.meta.info
+        self.version = self.meta.version
+        self.fps = self.meta.fps
+        self.features: dict[str, dict] = self.meta.features
+        self.video_keys = self.meta.video_keys
+        self.image_keys = self.meta.image_keys
+        self.camera_keys = self.meta.camera_keys
+        self.vector_keys = self.meta.vector_keys
+        self.modality = self.meta.modality
 
         if self.version == fmt.V30:
             self.tasks, records = self._v30_metadata()
@@ -436,11 +502,7 @@ class LeRobotDataset:
         return self.tasks[int(self.arrays[fmt.TASK_INDEX][self.episode_starts[position] + frame_index])]
 
     def image_shape(self, key: str) -> tuple[int, int, int]:
-        shape = self.features[key]["shape"]
-        names = self.features[key].get("names") or []
-        if list(names[:1]) == ["channels"] or (len(shape) == 3 and shape[0] == 3 and shape[2] != 3):
-            return int(shape[1]), int(shape[2]), int(shape[0])
-        return int(shape[0]), int(shape[1]), int(shape[2])
+        return self.meta.image_shape(key)
 
     def images(self, position: int, key: str, frame_indices: Sequence[int]) -> np.ndarray:
         """uint8 [N, H, W, 3] frames of camera `key` for frames of an episode."""

@@ -63,6 +63,19 @@ class Modality:
             action_key=action_keys.pop() if len(action_keys) == 1 else ACTION_KEY,
         )
 
+    def to_json(self) -> dict[str, Any]:
+        """The ``modality.json`` payload that ``from_json`` reads back as this object."""
+
+        def slices(section: Mapping[str, tuple[int, int]], key: str) -> dict[str, dict]:
+            return {name: {"start": start, "end": end, "original_key": key} for name, (start, end) in section.items()}
+
+        return {
+            "state": slices(self.state, self.state_key),
+            "action": slices(self.action, self.action_key),
+            "video": {name: {"original_key": key} for name, key in self.video.items()},
+            "annotation": {name: {"original_key": key} for name, key in self.annotation.items()},
+        }
+
     @classmethod
     def load(cls, path: str | pathlib.Path) -> Modality:
         path = pathlib.Path(path)

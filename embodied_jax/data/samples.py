@@ -32,7 +32,7 @@ class SampleSpec:
     """What one sample holds.
 
     action_horizon: steps in each action chunk (offsets 0..horizon-1 frames) unless
-      `delta_timestamps` names the key.
+      `delta_timestamps` names the key; None: the model's, set before a run (`DataSource.fit`).
     delta_timestamps: per key, offsets in seconds (LeRobot's `delta_timestamps`), for actions,
       state history or camera history.
     relative_keys: keys zero-padded at padded steps (already-relative features).
@@ -42,7 +42,7 @@ class SampleSpec:
     use_modality: add the dataset's modality.json views (`state.<name>`, ...).
     """
 
-    action_horizon: int = 50
+    action_horizon: int | None = 50
     action_keys: tuple[str, ...] = (ACTION_KEY,)
     state_keys: tuple[str, ...] = (STATE_KEY,)
     camera_keys: tuple[str, ...] | None = None
@@ -57,6 +57,8 @@ class SampleSpec:
         if self.delta_timestamps and key in self.delta_timestamps:
             return np.rint(np.asarray(self.delta_timestamps[key], np.float64) * fps).astype(np.int64)
         if key in self.action_keys:
+            if self.action_horizon is None:
+                raise ValueError("SampleSpec.action_horizon is None: fit the data to its model first (DataSource.fit)")
             return np.arange(self.action_horizon, dtype=np.int64)
         return None
 

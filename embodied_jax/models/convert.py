@@ -1,6 +1,7 @@
 """Convert upstream safetensors checkpoints to/from our Orbax parameter checkpoints.
 
-    python -m embodied_jax.models.convert --arch pi05 --src DIR --out CKPT_DIR
+    python -m embodied_jax.models.convert --arch pi05 --src DIR --out CKPT_DIR [--tokenizer FILE]
+    python -m embodied_jax.models.convert --arch pi05 --layout openpi --src OPENPI_PARAMS_DIR --out CKPT_DIR
     python -m embodied_jax.models.convert --arch pi05 --src CKPT_DIR --out DIR --reverse [--like SRC]
     python -m embodied_jax.models.convert --arch gr00t_n15 --src CKPT_DIR --out DIR --reverse --layout nvidia
 
@@ -9,7 +10,9 @@ Forward: ``--src`` is a directory holding ``model.safetensors`` (or a sharded
 ``--arch`` (an entry of ``ARCHS``: our config class and the checkpoint ``Layout``), never from
 upstream's ``config.json``. Tensors are streamed one at a time into the parameters of
 ``nnx.eval_shape(config.make)``, each placed with its sharding on a mesh over all local devices
-(FSDP), checked for shape and cast to the config's ``param_dtype``.
+(FSDP), checked for shape and cast to the config's ``param_dtype``. ``--arch pi05 --layout openpi``
+reads openpi's own Orbax ``params`` item instead (``weights/openpi_pi05.py``); it is detected when
+``--src`` is an Orbax directory or holds one as ``params/``.
 
 Output format (``CKPT_DIR``, what ``experiments.launch --init-from`` reads): an Orbax
 ``StandardCheckpointer`` checkpoint of ONE pytree, the model's parameters as a pure nested dict,
@@ -37,6 +40,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from embodied_jax.assets import write_assets
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.models.weights.common import Layout, export_checkpoint, import_checkpoint
 
@@ -59,10 +63,20 @@ def _pi05_config():
     return Pi05Config()
 
 
-def _pi05_layout():
+def _pi05_layout(name: str = "lerobot"):
+    if name == "openpi":
+        from embodied_jax.models.weights.openpi_pi05 import OPENPI_LAYOUT
+
+        return OPENPI_LAYOUT
     from embodied_jax.models.weights.pi05 import PI05_LAYOUT
 
     return PI05_LAYOUT
+
+
+def _pi05_detect(src) -> str:
+    from embodied_jax.models.weights.openpi_pi05 import is_openpi_checkpoint
+
+    return "openpi" if is_openpi_checkpoint(src) else "lerobot"
 
 
 def _gr00t_config():
@@ -84,7 +98,7 @@ def _gr00t_detect(src) -> str:
 
 
 ARCHS: dict[str, Arch] = {
-    "pi05": Arch(_pi05_config, _pi05_layout),
+    "pi05": Arch(_pi05_config, _pi05_layout, layouts=("lerobot", "openpi"), detect=_pi05_detect),
     "gr00t_n15": Arch(_gr00t_config, _gr00t_layout, layouts=("lerobot", "nvidia"), detect=_gr00t_detect),
 }
 
@@ -105,13 +119,19 @@ def abstract_params(config, mesh):
     return nnx.to_pure_dict(params), nnx.to_pure_dict(state_shardings(params, mesh))
 
 
-def to_orbax(src, out, config, layout: Layout, mesh=None) -> Path:
-    """Upstream safetensors -> Orbax parameter checkpoint at ``out``."""
+def to_orbax(src, out, config, layout, mesh=None) -> Path:
+    """Upstream checkpoint -> Orbax parameter checkpoint at ``out``.
+
+    ``layout``: a safetensors ``Layout``, or a layout with its own reader (``OpenpiLayout``).
+    """
     import orbax.checkpoint as ocp
 
     mesh = mesh or _mesh()
     abstract, shardings = abstract_params(config, mesh)
-    params = import_checkpoint(src, layout, abstract, shardings, mesh=mesh)
+    if isinstance(layout, Layout):
+        params = import_checkpoint(src, layout, abstract, shardings, mesh=mesh)
+    else:
+        params = layout.import_params(src, config, abstract, shardings, mesh=mesh)
     out = Path(out).absolute()
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out, params, force=True)
@@ -146,18 +166,29 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--layout",
         default=None,
-        help="checkpoint layout for archs with several (gr00t_n15: lerobot|nvidia); forward "
-        "conversion detects it when omitted",
+        help="checkpoint layout for archs with several (pi05: lerobot|openpi, gr00t_n15: lerobot|nvidia); "
+        "forward conversion detects it when omitted",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="forward: the weights' tokenizer (pi05: PaliGemma's tokenizer.model, gr00t_n15: Qwen3's "
+        "tokenizer.json), copied into CKPT_DIR/assets so that --init-from CKPT_DIR needs no --model.tokenizer-path",
     )
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.tokenizer is not None and (args.reverse or not Path(args.tokenizer).is_file()):
+        problem = "forward conversion only" if args.reverse else "no such file"
+        parser.error(f"--tokenizer {args.tokenizer!r}: {problem}")
     arch = ARCHS[args.arch]
     if args.layout is not None and args.layout not in arch.layouts:
         parser.error(f"--layout {args.layout!r}: --arch {args.arch} has layouts {arch.layouts or '(only one)'}")
     if arch.layouts:
         name = args.layout or (arch.detect(args.src) if arch.detect and not args.reverse else arch.layouts[0])
         layout = arch.layout(name)
+        if args.reverse and not isinstance(layout, Layout):
+            parser.error(f"--layout {name}: forward conversion only")
     else:
         layout = arch.layout()
     config = arch.make_config()
@@ -166,6 +197,8 @@ def main(argv=None) -> int:
             written = from_orbax(args.src, args.out, config, layout, like=args.like, dtype=args.dtype)
         else:
             written = to_orbax(args.src, args.out, config, layout)
+            if args.tokenizer is not None:
+                write_assets({"tokenizer_path": args.tokenizer}, written)
     except INPUT_ERRORS + (ValueError, KeyError) as exc:
         return fail(exc, verbose=args.verbose)
     print(f"wrote {written}")

@@ -33,24 +33,27 @@ the DiT cross-attention attend every VL token, padding included.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from embodied_jax.assets import AssetError
 from embodied_jax.config_registry import register
 from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.eagle import EagleBackbone, EagleConfig
 from embodied_jax.models.gr00t_action_head import ActionHeadConfig, Gr00tActionHead
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.nn import rtc
 from embodied_jax.nn.attention import mask_positions
 from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.nn.traced import module_fori_loop
-from embodied_jax.policy import PolicyConfig
+from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
 PACKED_KEYS = ("segment_ids", "positions", "images", "image_segment_ids", "sample_mask")
 PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
@@ -125,6 +128,7 @@ class Gr00tConfig(PolicyConfig):
     lora_alpha: float = 16.0
     synthetic_text_tokens: tuple[int, int] = (24, 38)  # synthetic batches: text tokens around the image blocks
     tokenizer_path: str | None = None  # input builder (real datasets): a local Qwen3 tokenizer.json
+    asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
     embodiment_id: int = 31  # the data's embodiment slot (upstream "new_embodiment" = 31 for a new robot)
 
     def __post_init__(self):
@@ -187,13 +191,41 @@ class Gr00tConfig(PolicyConfig):
     def freeze_regexes(self) -> tuple[str, ...]:
         return freeze_regexes(self)
 
+    def fit_to_dataset(self, features: DatasetFeatures) -> Gr00tConfig:
+        """The image slots are the dataset's cameras under their modality.json video names (as
+        upstream GR00T reads them), the prompt keeping its text room; state and actions must fit
+        the padded widths of the state encoder and action head."""
+        if features.camera_names is None:
+            raise ValueError(
+                "GR00T names its image slots after the cameras' video names in meta/modality.json, "
+                f"and the dataset has none for {list(features.camera_keys)}: write one (python -m "
+                "embodied_jax.sim.collect does) or map the cameras with --data.inputs.cameras KEY SLOT ..."
+            )
+        if features.state_dim > self.max_state_dim:
+            raise ValueError(
+                f"the state has {features.state_dim} dims, more than GR00T's max_state_dim={self.max_state_dim} "
+                "(the width of its state encoder, fixed by pretrained weights)"
+            )
+        if features.action_dim > self.action_dim:
+            raise ValueError(
+                f"the action has {features.action_dim} dims, more than GR00T's action_dim={self.action_dim} "
+                "(the width of its action encoder and decoder, fixed by pretrained weights)"
+            )
+        text_room = self.max_token_len - self.image_block_tokens
+        names = tuple(features.camera_names)
+        image_blocks = len(names) * (self.vision.num_patches + 2)
+        return dataclasses.replace(self, camera_names=names, max_token_len=image_blocks + text_room)
+
     def input_builder(self, packed: bool = False):
         """The per-sample input builder (Eagle prompt, images, padded state/actions, embodiment id);
         ``packed``: variable-length samples (only the cameras a sample has) for ``data/packing.py``."""
         from embodied_jax.models.gr00t_inputs import Gr00tInputBuilder
 
         if self.tokenizer_path is None:
-            raise ValueError("Gr00tConfig.tokenizer_path: set it to a local Qwen3 tokenizer.json")
+            raise AssetError(
+                "model.tokenizer_path is not set: give --model.tokenizer-path (Qwen3's tokenizer.json) "
+                "or --init-from weights that carry one"
+            )
         slots = self.action_head.max_num_embodiments
         if not 0 <= self.embodiment_id < slots:
             raise ValueError(
@@ -543,7 +575,23 @@ class Gr00tPolicy(nnx.Module):
         )
         return loss, {"loss": loss, "tokens": tokens, "examples": examples}
 
-    def sample_actions(self, observation, rng, *, num_steps=None, noise=None):
+    def sample_actions(
+        self,
+        observation,
+        rng,
+        *,
+        num_steps=None,
+        noise=None,
+        prefix_actions=None,
+        prefix_weights=None,
+        max_guidance=5.0,
+    ):
+        """Actions [B, horizon, action_dim]: Euler from t=0 (noise) to t=1 (actions).
+
+        Real-time chunking (``nn/rtc.py``): ``prefix_actions`` [B, horizon, action_dim] (normalised, usually the
+        previous chunk shifted by the executed steps) guide the chunk towards them with ``prefix_weights``
+        [horizon] or [B, horizon] and maximum guidance weight ``max_guidance``, through the clean estimate
+        x_t + (1 - t)·v; steps of weight 1 are returned as the prefix. None: plain sampling."""
         config = self.config
         k = int(num_steps or config.num_inference_steps)
         b = jnp.asarray(observation["embodiment_id"]).shape[0]
@@ -556,8 +604,8 @@ class Gr00tPolicy(nnx.Module):
         buckets = jnp.asarray(np.array([int(i / k * config.num_timestep_buckets) for i in range(k)], np.int32))
         dt = jnp.float32(1.0 / k)
 
-        def step(i, head, x):  # head: the action head, rebuilt inside the loop (nn/traced.py)
-            v = head.velocity(
+        def velocity(head, x, i):
+            return head.velocity(
                 state_features,
                 x,
                 jnp.full((b,), buckets[i]),
@@ -567,6 +615,21 @@ class Gr00tPolicy(nnx.Module):
                 kv_segment_ids=layout["dit_kv"],
                 context_gather=layout["context_gather"],
             )
+
+        def step(i, head, x):  # head: the action head, rebuilt inside the loop (nn/traced.py)
+            return x + dt * velocity(head, x, i)
+
+        if prefix_actions is None:
+            rtc.check_unguided(prefix_weights)
+            return module_fori_loop(self.action_head, k, step, x)
+        y, w = rtc.guidance_inputs(
+            prefix_actions, prefix_weights, batch=b, horizon=config.action_horizon, width=config.action_dim
+        )
+
+        def guided_step(i, head, x):
+            v = rtc.guided_velocity(
+                head, functools.partial(velocity, i=i), x, i * dt, y, w, clean_time=1.0, max_guidance=max_guidance
+            )
             return x + dt * v
 
-        return module_fori_loop(self.action_head, k, step, x)
+        return rtc.inpaint_frozen(module_fori_loop(self.action_head, k, guided_step, x), y, w)

@@ -35,16 +35,18 @@ Explicit ``noise``/``time`` may be given in the shapes [R, (K,) (M,) horizon, A]
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from embodied_jax.assets import AssetError
 from embodied_jax.config_registry import register
 from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
+from embodied_jax.nn import rtc
 from embodied_jax.nn.attention import mask_positions
 from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.dense import Dense
@@ -52,7 +54,7 @@ from embodied_jax.nn.embeddings import fill_image_tokens, sincos_embedding
 from embodied_jax.nn.lora import LORA_FREEZE_REGEX, LoRAConfig
 from embodied_jax.nn.traced import module_fori_loop
 from embodied_jax.parallel.partition import shard_tokens
-from embodied_jax.policy import PolicyConfig
+from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
 GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256)
 GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256, use_adarms=True)
@@ -92,6 +94,7 @@ class Pi05Config(PolicyConfig):
     lora_alpha: float = 16.0
     synthetic_prompt_len: int = 0  # real prompt tokens per synthetic sample (0: a quarter of max_token_len)
     tokenizer_path: str | None = None  # local SentencePiece model (PaliGemma's tokenizer.model)
+    asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
 
     def __post_init__(self):
         if not self.expert.use_adarms:
@@ -107,6 +110,21 @@ class Pi05Config(PolicyConfig):
 
     def make(self, rngs: nnx.Rngs) -> Pi05Policy:
         return Pi05Policy(self, rngs=rngs)
+
+    def fit_to_dataset(self, features: DatasetFeatures) -> Pi05Config:
+        """``action_dim`` = the dataset's action width (the loss mask); state and actions must fit
+        the padded widths. The image slots stay the model's (the data maps cameras onto them)."""
+        if features.state_dim > self.max_state_dim:
+            raise ValueError(
+                f"the state has {features.state_dim} dims, more than π0.5's max_state_dim={self.max_state_dim} "
+                "(--model.max-state-dim)"
+            )
+        if features.action_dim > self.max_action_dim:
+            raise ValueError(
+                f"the action has {features.action_dim} dims, more than π0.5's max_action_dim={self.max_action_dim} "
+                "(the width of its action projections, fixed by pretrained weights)"
+            )
+        return dataclasses.replace(self, action_dim=features.action_dim)
 
     def freeze_regexes(self) -> tuple[str, ...]:
         """Trainer freeze regexes: with LoRA (``lora_rank`` > 0) only ``lora_a``/``lora_b`` train."""
@@ -128,7 +146,10 @@ class Pi05Config(PolicyConfig):
         from embodied_jax.models.pi05_inputs import Pi05InputBuilder
 
         if self.tokenizer_path is None:
-            raise ValueError("Pi05Config.tokenizer_path: set it to a local SentencePiece tokenizer.model")
+            raise AssetError(
+                "model.tokenizer_path is not set: give --model.tokenizer-path (PaliGemma's tokenizer.model) "
+                "or --init-from weights that carry one"
+            )
         size = self.vision.image_size
         return Pi05InputBuilder(
             tokenizer_path=self.tokenizer_path,
@@ -476,8 +497,24 @@ class Pi05Policy(nnx.Module):
         loss, _, _, metrics = self.loss_terms(batch, rng, noise=noise, time=time)
         return loss, metrics
 
-    def sample_actions(self, observation, rng, *, num_steps=None, noise=None):
-        """Actions [B, horizon, action_dim] for an unpacked observation: Euler from t=1 to t=0."""
+    def sample_actions(
+        self,
+        observation,
+        rng,
+        *,
+        num_steps=None,
+        noise=None,
+        prefix_actions=None,
+        prefix_weights=None,
+        max_guidance=5.0,
+    ):
+        """Actions [B, horizon, action_dim] for an unpacked observation: Euler from t=1 to t=0.
+
+        Real-time chunking (``nn/rtc.py``): ``prefix_actions`` [B, horizon, A] (normalised, A <= max_action_dim,
+        usually the previous chunk's ``action_dim`` actions shifted by the executed steps) guide the chunk
+        towards them with ``prefix_weights`` [horizon] or [B, horizon] and maximum guidance weight
+        ``max_guidance``, through the clean estimate x_t - t·v; dims from ``action_dim`` on are not guided,
+        steps of weight 1 are returned as the prefix. None: plain sampling."""
         config = self.config
         num_steps = int(num_steps or config.num_inference_steps)
         inputs = self._inputs({k: v for k, v in observation.items() if k != "actions"})
@@ -494,5 +531,32 @@ class Pi05Policy(nnx.Module):
             t = jnp.full((b, 1), times[i], jnp.float32)
             return x + dt * policy.suffix_velocity(cache, x, t)
 
-        x = module_fori_loop(self, num_steps, step, x)
+        if prefix_actions is None:
+            rtc.check_unguided(prefix_weights)
+            return module_fori_loop(self, num_steps, step, x)[:, 0, :, : config.action_dim]
+        y, w = rtc.guidance_inputs(
+            prefix_actions,
+            prefix_weights,
+            batch=b,
+            horizon=config.action_horizon,
+            width=config.max_action_dim,
+            real_width=config.action_dim,
+        )
+        y, w = y.reshape(shape), w.reshape(shape)
+
+        def guided_step(i, policy, x):
+            t = jnp.full((b, 1), times[i], jnp.float32)
+            v = rtc.guided_velocity(
+                policy,
+                lambda policy, x: policy.suffix_velocity(cache, x, t),
+                x,
+                times[i],
+                y,
+                w,
+                clean_time=0.0,
+                max_guidance=max_guidance,
+            )
+            return x + dt * v
+
+        x = rtc.inpaint_frozen(module_fori_loop(self, num_steps, guided_step, x), y, w)
         return x[:, 0, :, : config.action_dim]

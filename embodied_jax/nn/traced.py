@@ -10,6 +10,8 @@ objects of that trace (``merge_in_trace``). Mutations made inside are not carrie
 - ``merge_in_trace(graphdef, state)``: the module, rebuilt in the current trace.
 - ``module_fori_loop(module, num_steps, body, init)``: ``carry = body(i, module, carry)`` for
   ``i`` in ``0 .. num_steps - 1`` under ``lax.fori_loop``, the module rebuilt in the body.
+- ``module_vjp(module, fn, *primals)``: ``jax.vjp`` of ``fn(module, *primals)`` with respect to
+  the primals only, the module rebuilt inside the differentiated trace.
 
 Layer stacks use NNX's own ``nnx.scan`` instead (``nn/stack.py``): there the state is
 stacked along the scanned axis, a different thing.
@@ -45,3 +47,10 @@ def module_fori_loop(
         return body(i, merge_in_trace(graphdef, state), carry)
 
     return jax.lax.fori_loop(0, num_steps, step, init)
+
+
+def module_vjp(module: nnx.Module, fn: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Any:
+    """``jax.vjp(lambda *p: fn(module, *p), *primals, has_aux=has_aux)``: the module's arrays are
+    constants of the differentiated function (no cotangent reaches them)."""
+    graphdef, state = nnx.split(module)
+    return jax.vjp(lambda *p: fn(merge_in_trace(graphdef, state), *p), *primals, has_aux=has_aux)

@@ -84,7 +84,13 @@ def resolve_axis_sizes(config: MeshConfig, num_devices: int) -> dict[str, int]:
     total = {a: s * d for a, s, d in zip(MESH_AXES, sizes, dcn, strict=True)}
     if math.prod(total.values()) != num_devices:
         desc = ", ".join(f"mesh.{a}={getattr(config, a)}" for a in MESH_AXES)
-        raise MeshError(f"{desc} need {math.prod(total.values())} devices but {num_devices} are available")
+        hint = ""
+        if num_devices < math.prod(total.values()) and jax.default_backend() == "cpu":
+            hint = (
+                f" (on a CPU, simulate them: --virtual-devices {math.prod(total.values())}, or "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(total.values())})"
+            )
+        raise MeshError(f"{desc} need {math.prod(total.values())} devices but {num_devices} are available{hint}")
     return total
 
 

@@ -7,7 +7,9 @@ rendered with the configured renderer), cut at the step where they finished, and
 ones are kept until N are collected. Each frame holds ``observation.state`` (joint
 state), ``observation.images.<camera>`` (``scene`` and wrist cameras, mp4) and
 ``action`` (the expert's joint targets); the episode's task string is the
-instruction. Writing is done by :func:`embodied_jax.data.writer.write_lerobot_dataset`.
+instruction. Writing is done by :func:`embodied_jax.data.writer.write_lerobot_dataset`,
+with GR00T's ``meta/modality.json`` (:func:`task_modality`: per arm a ``hand`` position and a
+``gripper`` group of state and action, each camera as a video, the task as annotation).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 import numpy as np
 
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
+from embodied_jax.data.modality import Modality
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import rollout as rollout_lib
 from embodied_jax.sim import tasks as tasks_lib
@@ -75,6 +78,21 @@ def _expert_rollout(env: env_lib.Env, batch: int, steps: int, noise: float):
             noise,
             env,
         )
+    )
+
+
+def task_modality(task: tasks_lib.Task) -> Modality:
+    """The dataset's modality.json: state and action are ``[x, y, z, grip]`` per arm
+    (``Task.robot_state``, ``Task.apply_action``), cameras are ``observation.images.<camera>``."""
+    groups = {}
+    for i, arm in enumerate(task.arms):
+        groups[f"{arm.prefix}hand"] = (4 * i, 4 * i + 3)
+        groups[f"{arm.prefix}gripper"] = (4 * i + 3, 4 * i + 4)
+    return Modality(
+        state=groups,
+        action=groups,
+        video={camera: f"observation.images.{camera}" for camera in task.cameras},
+        annotation={"human.task_description": "task_index"},  # GR00T's name for the instruction
     )
 
 
@@ -148,7 +166,13 @@ def collect(
     env = env_lib.Env(task, env_lib.EnvConfig(image_size=tuple(image_size), renderer=renderer))
     eps = expert_episodes(env, episodes, seed=seed, batch=batch, keep_failures=keep_failures, noise=noise)
     return write_lerobot_dataset(
-        out, eps, fps=round(1.0 / env.control_dt), version=version, codec=codec, robot_type=ROBOT_TYPE
+        out,
+        eps,
+        fps=round(1.0 / env.control_dt),
+        version=version,
+        codec=codec,
+        robot_type=ROBOT_TYPE,
+        modality=task_modality(env.task).to_json(),
     )
 
 

@@ -19,9 +19,31 @@ over replans, an inner one over the k executed actions). With a mesh, the batch 
 split over the mesh's ``data`` axis with ``shard_map`` (each device simulates its
 share; other mesh axes stay automatic for the policy's own sharding).
 
+Inference delay and real-time chunking (``inference_delay`` d, ``rtc``): the policy is
+still queried every k steps (step t_r = r·k) with the observation at that moment, and chunk
+C_r's action i is meant for step t_r + i, but the chunk only arrives d steps later (0 <= d <=
+k, and H >= k + d). Until then the robot keeps executing the previous chunk at its own time
+indices, C_{r-1}[k : k + d]; from t_r + d it switches to C_r[d : k], and C_r[k : k + d] run
+during the next query's delay: k actions per replan, each executed at the step it was
+predicted for. The first query of an episode has no previous chunk: its first d actions are
+executed as they are (the robot waits at reset for the first chunk; d = 0 behaviour), with
+either method. Naive switching (``rtc=False``) samples every chunk plainly; RTC
+(``nn/rtc.py``) passes the previous chunk's unexecuted actions shifted to the new chunk's
+time origin (``shift_prefix(C_{r-1}, k)``, unnormalised robot actions) with
+``prefix_weights(H, delay=d, executed=k)`` ("exp"; all zero at the first query), so that the
+new chunk's first d actions are the ones executing during the delay and the rest of the
+overlap blends into it. An RTC policy is ``act(observation, rng, prefix_actions,
+prefix_weights)`` (``params`` first with ``params``; ``bundle.act_fn(..., rtc=True)``), which
+samples plainly when both are None. d = 0 without RTC is the program described above.
+
 Results: per-task success rate with a 95% Wilson interval, mean episode length, mean
-per-step reward and mean return; mp4 videos of the first episodes (scene camera at
-every control step) and a PNG grid of frames; everything summarised in JSON.
+per-step reward and mean return; the squared third difference of the executed actions
+(summed over action dims; the commanded motion's jerk) averaged over every running
+episode's stencils whose four steps straddle a chunk switch (the first action executed
+from a new chunk, step r·k + d for r >= 1): ``jerk_at_boundaries``, and over the other
+stencils: ``jerk_elsewhere`` (None where there are none: k <= 3); mp4 videos of the first
+episodes (scene camera at every control step) and a PNG grid of frames; everything
+summarised in JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from embodied_jax.errors import InputError
+from embodied_jax.nn import rtc as rtc_lib
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import media
 from embodied_jax.sim import render as render_lib
@@ -58,6 +82,12 @@ class EvalConfig:
     seed: int = 0
     max_steps: int | None = None  # default: the task's episode limit
     data_axis: str = "data"
+    inference_delay: int = 0  # d: control steps from a query until its chunk arrives (0 <= d <= k)
+    rtc: bool = False  # real-time chunking: each query is guided towards the previous chunk's rest
+
+
+class InferenceDelayError(InputError, ValueError):
+    """An inference delay the evaluation cannot simulate (negative, longer than a replan, or than the chunk)."""
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
@@ -81,6 +111,7 @@ class EvalRollout:
     reward: jax.Array  # [B, T] per-step reward (0 after done)
     active: jax.Array  # [B, T] the episode was running at that step
     video: jax.Array  # [V, T + 1, H, W, 3] uint8 frames of the first episodes
+    actions: jax.Array  # [B, T, A] float32 actions executed
 
 
 class Evaluator:
@@ -94,6 +125,11 @@ class Evaluator:
         k = config.execute_steps
         if k < 1:
             raise ValueError(f"EvalConfig.execute_steps must be >= 1, got {k}")
+        if not 0 <= config.inference_delay <= k:
+            raise InferenceDelayError(
+                f"EvalConfig.inference_delay={config.inference_delay}: between 0 and execute_steps={k} (a chunk "
+                f"must arrive before the next query)"
+            )
         self.max_steps = config.max_steps or env.episode_limit
         self.num_replans = -(-self.max_steps // k)
         shards = 1
@@ -138,7 +174,7 @@ class Evaluator:
     def _local_rollout(self, reset_keys: jax.Array, policy_key: jax.Array, params) -> EvalRollout:
         """Evaluate ``reset_keys.shape[0]`` worlds (one shard)."""
         env, config = self.env, self.config
-        k, num_videos = config.execute_steps, config.num_videos
+        k, d, num_videos = config.execute_steps, config.inference_delay, config.num_videos
         if self.mesh is not None:
             policy_key = jax.random.fold_in(policy_key, jax.lax.axis_index(config.data_axis))
         states = jax.vmap(env.reset)(reset_keys)
@@ -150,35 +186,77 @@ class Evaluator:
             sub = jax.tree.map(lambda x: x[:num_videos], states)
             return self._images(sub, (config.video_camera,))[config.video_camera]
 
-        def replan(carry, r):
-            states = carry
-            obs = {
+        def observe(states, r):
+            return {
                 "state": env.robot_state(states),
                 "images": self._images(states, env.cameras),
                 "time_step": jnp.full((batch,), r * k, jnp.int32),
             }
+
+        def query(obs, r, *prefix):
             key = jax.random.fold_in(policy_key, r)
-            chunk = self.act(obs, key) if params is None else self.act(params, obs, key)
+            chunk = self.act(obs, key, *prefix) if params is None else self.act(params, obs, key, *prefix)
             if chunk.ndim != 3 or chunk.shape[0] != batch or chunk.shape[2] != env.action_dim or chunk.shape[1] < k:
                 raise ValueError(f"act must return [B={batch}, H>={k}, A={env.action_dim}] actions, got {chunk.shape}")
+            return chunk
 
-            def execute(states, j):
+        def execute(states, actions):
+            def one(states, j):
                 active = ~states.done
                 frame = video_frame(states)
-                nxt = env_lib.batch_step(env, states, chunk[:, j].astype(jnp.float32))
-                return nxt, (jnp.where(active, nxt.reward, 0.0), active, frame)
+                action = actions[:, j].astype(jnp.float32)
+                nxt = env_lib.batch_step(env, states, action)
+                return nxt, (jnp.where(active, nxt.reward, 0.0), active, frame, action)
 
-            states, rec = jax.lax.scan(execute, states, jnp.arange(k))
-            return states, rec
+            return jax.lax.scan(one, states, jnp.arange(k))
 
-        final, (reward, active, frames) = jax.lax.scan(replan, states, jnp.arange(self.num_replans))
+        def replan(carry, r):
+            states = carry
+            chunk = query(observe(states, r), r)
+            return execute(states, chunk)
+
+        def delayed_replan(carry, r):
+            states, previous = carry
+            obs = observe(states, r)
+            if config.rtc:
+                # The first query has no previous chunk: zero weights sample the plain chunk.
+                weights = jnp.where(r > 0, rtc_lib.prefix_weights(horizon, d, k), 0.0)
+                chunk = query(obs, r, rtc_lib.shift_prefix(previous, k), weights)
+            else:
+                chunk = query(obs, r)
+            # During the delay the previous chunk runs on at its own time indices (the first chunk: its own).
+            kept = jnp.where(r > 0, previous[:, k : k + d], chunk[:, :d].astype(previous.dtype))
+            states, rec = execute(states, jnp.concatenate([kept, chunk[:, d:k].astype(previous.dtype)], 1))
+            return (states, chunk.astype(previous.dtype)), rec
+
+        if d == 0 and not config.rtc:
+            final, (reward, active, frames, actions) = jax.lax.scan(replan, states, jnp.arange(self.num_replans))
+        else:
+            plain = (None, None) if config.rtc else ()
+            shape = jax.eval_shape(lambda s: query(observe(s, 0), 0, *plain), states).shape
+            horizon = shape[1]
+            if horizon < k + d:
+                raise InferenceDelayError(
+                    f"chunks of {horizon} actions cannot cover execute_steps={k} plus inference_delay={d} steps"
+                )
+            previous = jnp.zeros(shape, jnp.float32)
+            carry, (reward, active, frames, actions) = jax.lax.scan(
+                delayed_replan, (states, previous), jnp.arange(self.num_replans)
+            )
+            final = carry[0]
         steps = self.num_replans * k
         reward = reward.reshape(steps, batch)[: self.max_steps].T
         active = active.reshape(steps, batch)[: self.max_steps].T
+        actions = actions.reshape(steps, batch, -1)[: self.max_steps].swapaxes(0, 1)
         frames = frames.reshape((steps,) + frames.shape[2:])[: self.max_steps]
         frames = jnp.concatenate([frames, video_frame(final)[None]], 0).swapaxes(0, 1)
         return EvalRollout(
-            success=final.success, length=active.sum(1).astype(jnp.int32), reward=reward, active=active, video=frames
+            success=final.success,
+            length=active.sum(1).astype(jnp.int32),
+            reward=reward,
+            active=active,
+            video=frames,
+            actions=actions,
         )
 
     def _program(self, with_params: bool):
@@ -200,7 +278,9 @@ class Evaluator:
                 self._local_rollout,
                 mesh=mesh,
                 in_specs=(P(ax), P(), P()),
-                out_specs=EvalRollout(success=P(ax), length=P(ax), reward=P(ax), active=P(ax), video=P(ax)),
+                out_specs=EvalRollout(
+                    success=P(ax), length=P(ax), reward=P(ax), active=P(ax), video=P(ax), actions=P(ax)
+                ),
                 axis_names=manual,
                 check_vma=False,
             )
@@ -218,6 +298,23 @@ class Evaluator:
         return summarize(self.env, self.config, self.rollout(rng, params), out_dir=out_dir)
 
 
+def boundary_jerk(actions, active, execute_steps: int, inference_delay: int = 0) -> tuple[float, float | None]:
+    """Mean squared third difference (summed over action dims) of executed ``actions`` [B, T, A]
+    over the stencils of running episodes (``active`` [B, T] at their last step) that straddle a
+    chunk switch (step r·k + d, r >= 1: the stencil's first step before it, its last at or after
+    it), and over all other such stencils (None if there are none)."""
+    actions, active = np.asarray(actions, np.float64), np.asarray(active, bool)
+    jerk = (np.diff(actions, n=3, axis=1) ** 2).sum(-1)  # [B, T - 3], stencil t covers steps t .. t + 3
+    t = np.arange(jerk.shape[1])
+    # A switch s lies in t + 1 .. t + 3: t + 3 - s >= 0 and t - s < 0 for some s = r·k + d.
+    after = t + 3 - inference_delay
+    at = (after >= execute_steps) & (after // execute_steps > (t - inference_delay) // execute_steps)
+    running = active[:, 3:]
+    boundary, elsewhere = running & at, running & ~at
+    mean = lambda mask: float(jerk[mask].mean()) if mask.any() else None  # noqa: E731
+    return mean(boundary), mean(elsewhere)
+
+
 def summarize(env: env_lib.Env, config: EvalConfig, result: EvalRollout, *, out_dir=None) -> dict[str, Any]:
     """Metrics of one evaluation; with ``out_dir`` also videos, a PNG grid and ``results.json``."""
     success = np.asarray(result.success)
@@ -226,6 +323,7 @@ def summarize(env: env_lib.Env, config: EvalConfig, result: EvalRollout, *, out_
     n, s = int(success.size), int(success.sum())
     low, high = wilson_interval(s, n)
     steps = np.maximum(active.sum(1), 1)
+    at_boundaries, elsewhere = boundary_jerk(result.actions, active, config.execute_steps, config.inference_delay)
     metrics: dict[str, Any] = {
         "task": env.name,
         "instruction": env.instruction,
@@ -237,6 +335,10 @@ def summarize(env: env_lib.Env, config: EvalConfig, result: EvalRollout, *, out_
         "mean_reward": float((reward.sum(1) / steps).mean()),
         "mean_return": float(reward.sum(1).mean()),
         "execute_steps": config.execute_steps,
+        "inference_delay": config.inference_delay,
+        "rtc": config.rtc,
+        "jerk_at_boundaries": at_boundaries,
+        "jerk_elsewhere": elsewhere,
         "image_size": list(env.config.image_size),
     }
     if out_dir is not None:

@@ -1,8 +1,10 @@
-"""Orbax checkpoints: train state, data-iterator state, normalisation stats and config.
+"""Orbax checkpoints: train state, data-iterator state, normalisation stats, config and assets.
 
-One step directory holds four items: ``state`` (the sharded train state), ``data``
+One step directory holds five items: ``state`` (the sharded train state), ``data``
 (one JSON file per process with that process's iterator state), ``norm_stats`` and
-``config`` (JSON). Saves are asynchronous; Orbax writes into a temporary directory and
+``config`` (JSON), and ``assets`` (copies of the files the model config names, such as the
+tokenizer: ``embodied_jax.assets``), so a step is complete wherever it is moved.
+Saves are asynchronous; Orbax writes into a temporary directory and
 renames it when complete, so a save killed half-way leaves the previous step intact.
 Restoring goes through abstract target shardings, so a run saved on one mesh resumes
 on another.
@@ -21,6 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from embodied_jax.assets import copy_assets, read_assets
 from embodied_jax.data.iterator import IteratorStateMismatch
 from embodied_jax.errors import InputError
 from embodied_jax.train.config import CheckpointConfig
@@ -89,6 +92,40 @@ class IteratorStateHandler(ocp.CheckpointHandler):
         pass
 
 
+class AssetsHandler(ocp.CheckpointHandler):
+    """Copies the model config's files into ``<step>/assets/<field>/<name>`` (process 0 writes)."""
+
+    def save(self, directory: epath.Path, args: AssetsSave) -> None:
+        if jax.process_index() == 0:  # ``directory``: the item's temporary folder, renamed to ``assets``
+            copy_assets(args.files, pathlib.Path(directory))
+
+    def restore(self, directory: epath.Path, args: AssetsRestore | None = None) -> dict[str, pathlib.Path]:
+        return read_assets(pathlib.Path(directory).parent)
+
+    def structure(self, directory):  # required by the interface
+        return None
+
+    def metadata(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+@ocp.args.register_with_handler(AssetsHandler, for_save=True)
+class AssetsSave(ocp.args.CheckpointArgs):
+    def __init__(self, files: dict[str, pathlib.Path]):
+        self.files = files
+
+
+@ocp.args.register_with_handler(AssetsHandler, for_restore=True)
+class AssetsRestore(ocp.args.CheckpointArgs):
+    pass
+
+
 def _state_file(process_index: int, process_count: int) -> str:
     return f"process_{process_index}-of-{process_count}.json"
 
@@ -152,6 +189,7 @@ class Checkpointer:
                 "data": IteratorStateHandler(),
                 "norm_stats": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler(),
+                "assets": AssetsHandler(),
             },
         )
 
@@ -169,9 +207,12 @@ class Checkpointer:
         iterator: Any = None,
         norm_stats: dict | None = None,
         config: dict | None = None,
+        assets: dict[str, pathlib.Path] | None = None,
         force: bool = False,
     ) -> bool:
         items = {"state": ocp.args.StandardSave(_state_dict(state))}
+        if assets:
+            items["assets"] = AssetsSave(assets)
         if iterator is not None:
             items["data"] = IteratorSave(iterator)
         items["norm_stats"] = ocp.args.JsonSave(norm_stats or {})
@@ -295,6 +336,9 @@ class Checkpointer:
         writer.wait_until_finished()
         writer.close()
         return path
+
+    def step_directory(self, step: int) -> pathlib.Path:
+        return self.directory / str(step)
 
     def read_json(self, step: int, item: str) -> dict:
         return json.loads((self.directory / str(step) / item / "metadata").read_text())

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from embodied_jax.assets import asset_files, with_assets
 from embodied_jax.config_registry import to_dict
 from embodied_jax.data.iterator import BatchIterator, IteratorStateMismatch
 from embodied_jax.data.sources import DataSource
@@ -134,8 +135,8 @@ def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1)
         raise ConfigError(f"checkpoint.keep_last={ckpt.keep_last} must be >= 1 (or --checkpoint.no-enabled)")
     if ckpt.keep_every is not None and ckpt.keep_every < 1:
         raise ConfigError(f"checkpoint.keep_every={ckpt.keep_every} must be >= 1")
-    if config.init_from is not None and not pathlib.Path(config.init_from).exists():
-        raise ConfigError(f"init_from={config.init_from!r}: no such checkpoint (models.convert writes one)")
+    if config.init_from is not None:
+        pretrained.locate(config.init_from)  # one of the kinds it reads, named when it is not
     if config.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr={config.optimizer.lr} must be > 0")
     if t.batch_size % process_count:
@@ -144,6 +145,21 @@ def validate(config: ExperimentConfig, num_devices: int, process_count: int = 1)
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps={t.grad_accum_steps}"
         )
+
+
+def prepare(config: ExperimentConfig) -> ExperimentConfig:
+    """The run's config fitted to its data, checked against it (``DataSource.fit``, ``check``):
+    what a run trains and saves, and what ``--dry-run`` reports. Fills the model's unset files
+    (the tokenizer) from ``--init-from`` weights first. Reads metadata and tables, no frames;
+    compiles and writes nothing."""
+    model = config.model
+    if config.init_from is not None and isinstance(model, PolicyConfig):
+        model = with_assets(model, pretrained.locate(config.init_from).assets, only_unset=True)
+    data = config.data
+    if isinstance(data, DataSource) and isinstance(model, PolicyConfig):
+        data, model = data.fit(model)
+        data.check(model)
+    return dataclasses.replace(config, model=model, data=data)
 
 
 def build(config: ExperimentConfig, devices: list | None = None) -> Runtime:
@@ -310,8 +326,10 @@ class RunResult:
 
 def train(config: ExperimentConfig) -> RunResult:
     distributed.initialize(config.distributed)
+    config = prepare(config)  # the config the run trains and its checkpoints save
     rt = build(config)
     validate_outputs(config)
+    assets = asset_files(config.model)  # copied into every checkpoint: a step loads wherever it is moved
     workdir = pathlib.Path(config.workdir)
     t = config.train
     if jax.process_index() == 0:
@@ -360,7 +378,9 @@ def train(config: ExperimentConfig) -> RunResult:
         def save(step: int, force: bool = False) -> None:
             nonlocal unconfirmed
             if ckpt is not None:
-                ckpt.save(step, state, iterator=data_it, norm_stats=norm_stats, config=config_dict, force=force)
+                ckpt.save(
+                    step, state, iterator=data_it, norm_stats=norm_stats, config=config_dict, assets=assets, force=force
+                )
                 unconfirmed = step
 
         def confirm(step: int) -> None:

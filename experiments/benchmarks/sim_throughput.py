@@ -9,7 +9,7 @@
    ``mujoco.mj_step`` looping over the same B environments on the CPU.
 2. Closed-loop evaluation episodes/s with rendering (scene + wrist cameras) and a small
    image+state policy (fixed random weights; a stand-in with the demo policy's inputs and
-   outputs; ``--policy`` loads a trained one instead, e.g. the demo's ``runs/demo``, through
+   outputs; ``--policy`` loads a trained one instead, e.g. the demo's ``runs/demo/reach``, through
    ``load_policy``), action chunks of H=10 with k=5 executed: the batched evaluator at B = 1, 64,
    256 vs the way LeRobot / Isaac-GR00T evaluate (one CPU ``mj_step`` environment per
    loop, policy called with batch 1 at every replan, images rendered per environment).

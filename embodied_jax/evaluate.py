@@ -1,0 +1,252 @@
+"""Closed-loop evaluation of a trained checkpoint: ``python -m embodied_jax.evaluate CKPT --task TASK``.
+
+``evaluate_policy(bundle, task, ...)`` is the library form (the demo's final evaluation calls
+it too): ``envs`` episodes of a built-in task (``sim.tasks.TASKS``) or of a MuJoCo Playground
+manipulation env (``playground:<Env>``, e.g. ``playground:PandaPickCube``, where Playground and
+its robot assets are on disk; see ``sim.playground``), run in one jitted MJX program through
+the bundle's ``act_fn``, so the policy sees exactly what ``predict`` would. It writes the
+report to ``out_dir``: ``results.json`` (success rate with its 95% Wilson interval, episodes,
+mean episode length, reward, the step evaluated), mp4 videos of the first ``videos``
+episodes and a PNG grid of their frames.
+
+The image size and ``execute_steps`` default to the checkpoint's own evaluation (its saved
+``SimEvaluation``), else to the policy's input size and 5. The command line writes to
+``<run>/eval/<task>-step<step>/`` unless ``--out`` says otherwise, so reports of other tasks,
+steps or weights never overwrite each other; the checkpoint is opened read-only, so a run that
+is still training can be evaluated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from embodied_jax.bundle import PolicyBundle
+from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
+from embodied_jax.errors import InputError
+from embodied_jax.evaluation import SimEvaluation
+from embodied_jax.sim.tasks import TASKS
+
+PLAYGROUND = "playground:"
+DEFAULT_ENVS = 32
+DEFAULT_EXECUTE_STEPS = 5
+
+
+class EvaluationError(InputError, ValueError):
+    """An evaluation that cannot run as asked (unknown task, env count, a task the policy does not fit)."""
+
+
+def check_task(task: str) -> None:
+    """``task`` names a built-in task or an available Playground env; Playground's absence (or its
+    robot assets') is reported here, before a checkpoint is loaded."""
+    if task in TASKS:
+        return
+    if task.startswith(PLAYGROUND) and task[len(PLAYGROUND) :]:
+        from embodied_jax.sim import playground
+
+        playground.ensure_assets()
+        return
+    raise EvaluationError(
+        f"unknown task {task!r}: built-in tasks are {sorted(TASKS)}, or {PLAYGROUND}<Env> for a MuJoCo "
+        f"Playground manipulation env (e.g. {PLAYGROUND}PandaPickCube)"
+    )
+
+
+def make_env(task: str, image_size: tuple[int, int], *, instruction: str | None = None):
+    """The MJX environment of ``task`` rendering ``image_size`` images (a ``sim.Env`` or a
+    ``sim.playground.PlaygroundEnv``)."""
+    from embodied_jax.sim import Env, EnvConfig  # MJX: imported when first used
+
+    check_task(task)
+    if task in TASKS:
+        if instruction is not None:
+            raise EvaluationError(f"task {task!r} is built in and has its own instruction: {TASKS[task].instruction!r}")
+        return Env(task, EnvConfig(image_size=image_size))
+    from embodied_jax.sim import playground
+
+    config = EnvConfig(image_size=image_size, physics="warp", renderer="warp")
+    try:
+        return playground.load_playground_env(task[len(PLAYGROUND) :], instruction=instruction, config=config)
+    except ValueError as exc:  # an unknown env name, or one without cameras
+        raise EvaluationError(f"task {task!r}: {exc}") from exc
+
+
+def defaults(bundle: PolicyBundle) -> dict[str, Any]:
+    """What the run itself evaluated with: ``envs``, ``execute_steps``, ``image_size``, ``seed``."""
+    evaluation = bundle.config.evaluation
+    if isinstance(evaluation, SimEvaluation):
+        return {
+            "envs": evaluation.num_envs,
+            "execute_steps": evaluation.execute_steps,
+            "image_size": tuple(evaluation.image_size),
+            "seed": evaluation.seed,
+        }
+    from embodied_jax.sim import EnvConfig
+
+    image_size = bundle.image_size or EnvConfig().image_size  # the policy's input size, where the run fixes one
+    return {"envs": DEFAULT_ENVS, "execute_steps": DEFAULT_EXECUTE_STEPS, "image_size": image_size, "seed": 0}
+
+
+def _check_fits(bundle: PolicyBundle, env, task: str) -> None:
+    """The policy's actions and cameras fit the task (its state is checked by the bundle, by name)."""
+    if bundle.action_dim is not None and bundle.action_dim != env.action_dim:
+        raise EvaluationError(
+            f"task {task!r} takes {env.action_dim}-dim actions, but the policy predicts {bundle.action_dim}"
+        )
+    rendered = {f"observation.images.{camera}" for camera in env.cameras}
+    missing = [key for key in bundle.inputs.camera_keys if key not in rendered]
+    if missing:
+        raise EvaluationError(
+            f"task {task!r} renders cameras {list(env.cameras)}, but the policy needs {missing} as well"
+        )
+
+
+def evaluate_policy(
+    bundle: PolicyBundle,
+    task: str,
+    *,
+    envs: int | None = None,
+    videos: int = 0,
+    out_dir: str | pathlib.Path | None = None,
+    seed: int | None = None,
+    execute_steps: int | None = None,
+    image_size: tuple[int, int] | None = None,
+    instruction: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``bundle`` closed-loop on ``task``; returns the report (and writes it, with its
+    videos and frame grid, to ``out_dir`` when given). Unset settings come from ``defaults``;
+    ``instruction``: the prompt for a Playground env (default: its name)."""
+    from embodied_jax.sim import EvalConfig, Evaluator
+
+    settings = defaults(bundle)
+    envs = settings["envs"] if envs is None else envs
+    execute_steps = settings["execute_steps"] if execute_steps is None else execute_steps
+    seed = settings["seed"] if seed is None else seed
+    image_size = tuple(settings["image_size"] if image_size is None else image_size)
+    if envs < 1:
+        raise EvaluationError(f"envs={envs}: evaluate at least one environment")
+    if not 0 <= videos <= envs:
+        raise EvaluationError(f"videos={videos}: between 0 and the {envs} environments evaluated")
+    if execute_steps < 1:
+        raise EvaluationError(f"execute_steps={execute_steps}: execute at least one action of each chunk")
+    env = make_env(task, image_size, instruction=instruction)
+    _check_fits(bundle, env, task)
+    act, params = bundle.act_fn(env.instruction)
+    config = EvalConfig(num_envs=envs, execute_steps=execute_steps, num_videos=videos, seed=seed)
+    metrics = Evaluator(env, act, config)(params=params, out_dir=out_dir)
+    metrics = {**metrics, "step": bundle.step, "seed": seed}
+    if out_dir is not None:
+        (pathlib.Path(out_dir) / "results.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def summary_line(metrics: dict[str, Any]) -> str:
+    """``<task>: success rate ... (95% CI ..., N episodes), mean episode length ... steps``."""
+    low, high = metrics["success_ci95"]
+    return (
+        f"{metrics['task']}: success rate {metrics['success_rate']:.1%} "
+        f"(95% CI {low:.1%}-{high:.1%}, {metrics['episodes']} episodes), "
+        f"mean episode length {metrics['mean_episode_length']:.1f} steps"
+    )
+
+
+def report_lines(metrics: dict[str, Any], out_dir: str | pathlib.Path) -> list[str]:
+    """Where the report went: ``results: ...``, one ``video: ...`` per video, ``frames: ...``."""
+    lines = [f"results: {pathlib.Path(out_dir) / 'results.json'}"]
+    lines += [f"video: {video}" for video in metrics.get("videos", [])]
+    if "frame_grid" in metrics:
+        lines.append(f"frames: {metrics['frame_grid']}")
+    return lines
+
+
+def report_dir(ckpt: str | pathlib.Path, task: str, step: int, *, use_ema: bool = True) -> pathlib.Path:
+    """``<run>/eval/<task>-step<step>`` (``-no-ema`` for the raw parameters); ``ckpt``: the run
+    directory or its ``checkpoints/``."""
+    path = pathlib.Path(ckpt)
+    run = path.parent if path.name == "checkpoints" and not (path / "checkpoints").is_dir() else path
+    name = f"{task.replace(':', '-')}-step{step}" + ("" if use_ema else "-no-ema")
+    return run / "eval" / name
+
+
+def _check_step(ckpt: pathlib.Path, step: int) -> None:
+    """``--step`` names a step the run saved (an exported policy holds one, which load_policy checks)."""
+    steps_dir = ckpt / "checkpoints" if (ckpt / "checkpoints").is_dir() else ckpt
+    steps = sorted(int(p.name) for p in steps_dir.glob("*") if p.name.isdigit() and p.is_dir())
+    if steps and step not in steps:
+        raise EvaluationError(f"--step {step}: {steps_dir} holds steps {steps}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m embodied_jax.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument("ckpt", metavar="CKPT", help="a run directory or its checkpoints/ directory")
+    parser.add_argument(
+        "--task", required=True, help=f"a built-in task ({', '.join(sorted(TASKS))}) or {PLAYGROUND}<Env>"
+    )
+    parser.add_argument(
+        "--envs", type=int, default=None, help=f"episodes, simulated together (default: the run's, else {DEFAULT_ENVS})"
+    )
+    parser.add_argument("--videos", type=int, default=0, help="first episodes written as mp4 (default 0)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--no-ema", action="store_true", help="the trained parameters, not their EMA")
+    parser.add_argument("--out", default=None, help="report directory (default: <run>/eval/<task>-step<step>)")
+    parser.add_argument("--seed", type=int, default=None, help="episode and noise seed (default: the run's, else 0)")
+    parser.add_argument(
+        "--execute-steps",
+        type=int,
+        default=None,
+        help=f"actions executed from each chunk before replanning (default: the run's, else {DEFAULT_EXECUTE_STEPS})",
+    )
+    parser.add_argument("--instruction", default=None, help="the prompt for a Playground env (default: its name)")
+    add_verbose_flag(parser)
+    args = parser.parse_args(argv)
+    # The project's own warnings; absl (Orbax's logger) warns about its type-handler registry on every start.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    try:
+        for flag, value, least in (
+            ("--envs", args.envs, 1),
+            ("--videos", args.videos, 0),
+            ("--execute-steps", args.execute_steps, 1),
+        ):
+            if value is not None and value < least:
+                raise EvaluationError(f"{flag} {value}: must be at least {least}")
+        check_task(args.task)
+        if args.step is not None:
+            _check_step(pathlib.Path(args.ckpt), args.step)
+        from embodied_jax.loading import load_policy  # builds the model: after the cheap checks
+
+        bundle = load_policy(args.ckpt, step=args.step, use_ema=not args.no_ema)
+        out = (
+            pathlib.Path(args.out)
+            if args.out
+            else report_dir(args.ckpt, args.task, bundle.step, use_ema=not args.no_ema)
+        )
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EvaluationError(f"cannot write the report to {out}: {exc.strerror}; choose another --out") from exc
+        print(f"evaluating step {bundle.step} of {args.ckpt} on {args.task} in batched MJX ...", flush=True)
+        metrics = evaluate_policy(
+            bundle,
+            args.task,
+            envs=args.envs,
+            videos=args.videos,
+            out_dir=out,
+            seed=args.seed,
+            execute_steps=args.execute_steps,
+            instruction=args.instruction,
+        )
+    except INPUT_ERRORS + (ValueError,) as exc:
+        return fail(exc, verbose=args.verbose)
+    print(summary_line(metrics))
+    print("\n".join(report_lines(metrics, out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

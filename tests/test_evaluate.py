@@ -1,0 +1,169 @@
+"""``python -m embodied_jax.evaluate`` and the observation contract of ``PolicyBundle.predict``
+(docs/observations.md), on the one tiny demo run the test session shares (``demo_run``, conftest.py).
+
+A closed-loop evaluation of a bundle compiles a program with host callbacks, which the persistent
+compilation cache never keeps: this file runs exactly one, and checks everything else without.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import shutil
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from embodied_jax.bundle import ObservationError
+from embodied_jax.evaluate import main, summary_line
+
+STATE, SCENE, WRIST = "observation.state", "observation.images.scene", "observation.images.wrist"
+
+
+@pytest.fixture(scope="module")
+def evaluated(demo_run, tmp_path_factory):
+    """One evaluation through the command line of a copy of the run (its report goes to the
+    default place inside the copy): the copy, the exit status and what it printed."""
+    run = tmp_path_factory.mktemp("evaluated")
+    shutil.copytree(demo_run / "checkpoints", run / "checkpoints")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main([str(run / "checkpoints"), "--task", "reach", "--envs", "2", "--videos", "1"])
+    return run, status, printed.getvalue()
+
+
+def test_evaluate_writes_the_demos_report_next_to_the_checkpoints(evaluated, demo_run, bundle):
+    run, status, printed = evaluated
+    assert status == 0, printed
+    out = run / "eval" / "reach-step4"
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == set(json.loads((demo_run / "eval" / "results.json").read_text()))  # the demo's report
+    assert results["task"] == "reach" and results["episodes"] == 2 and results["step"] == 4
+    low, high = results["success_ci95"]
+    assert low <= results["success_rate"] <= high and results["mean_episode_length"] > 0
+    saved = bundle.config.evaluation  # the run's own evaluation settings
+    assert results["image_size"] == list(saved.image_size) and results["execute_steps"] == saved.execute_steps
+    (video,) = results["videos"]
+    assert video == str(out / "reach_episode0.mp4") and (out / "reach_episode0.mp4").stat().st_size > 0
+    assert (out / "reach_frames.png").stat().st_size > 0
+    assert summary_line(results) in printed.splitlines()
+    assert f"results: {out / 'results.json'}" in printed and f"video: {video}" in printed
+
+
+def test_settings_default_to_the_runs_own_evaluation_else_the_policys_input_size():
+    from embodied_jax.evaluate import defaults
+    from embodied_jax.evaluation import SimEvaluation
+
+    saved = SimEvaluation(task="reach", num_envs=7, execute_steps=3, image_size=(24, 40), seed=9)
+    run = types.SimpleNamespace(config=types.SimpleNamespace(evaluation=saved), image_size=(32, 32))
+    assert defaults(run) == {"envs": 7, "execute_steps": 3, "image_size": (24, 40), "seed": 9}
+    run.config.evaluation = None
+    assert defaults(run) == {"envs": 32, "execute_steps": 5, "image_size": (32, 32), "seed": 0}
+
+
+def test_an_unknown_task_is_one_error_line(demo_run, subprocess_env, repo_root):
+    out = subprocess.run(
+        [sys.executable, "-m", "embodied_jax.evaluate", str(demo_run), "--task", "fly"],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo_root,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: unknown task 'fly': built-in tasks are ['handover', 'pick_place', 'reach'], or playground:<Env> "
+        "for a MuJoCo Playground manipulation env (e.g. playground:PandaPickCube)"
+    ]
+
+
+def _bad_input(args, capsys) -> str:
+    assert main(args) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: "), errors
+    return errors[0]
+
+
+def test_bad_input_is_one_error_line(demo_run, tmp_path, capsys):
+    assert "--envs 0" in _bad_input([str(demo_run), "--task", "reach", "--envs", "0"], capsys)
+    (tmp_path / "checkpoints").mkdir()
+    assert "no checkpoint steps" in _bad_input([str(tmp_path), "--task", "reach"], capsys)
+    assert "holds steps [4]" in _bad_input([str(demo_run), "--task", "reach", "--step", "3"], capsys)
+    # A task the policy does not fit: handover's robot has two arms (8-dim actions, three cameras).
+    line = _bad_input([str(demo_run), "--task", "handover", "--out", str(tmp_path / "out")], capsys)
+    assert "takes 8-dim actions, but the policy predicts" in line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mujoco_playground") is not None, reason="Playground is installed")
+def test_a_playground_task_without_playground_is_one_error_line(demo_run, capsys):
+    assert "pip install playground" in _bad_input([str(demo_run), "--task", "playground:PandaPickCube"], capsys)
+
+
+# ---------------------------------------------------------------------------------- predict
+@pytest.fixture(scope="module")
+def bundle(demo_run):
+    from embodied_jax import load_policy
+
+    return load_policy(demo_run)
+
+
+@pytest.fixture(scope="module")
+def one(demo_run):
+    """One unbatched raw observation: a recorded frame of the run's dataset."""
+    from embodied_jax.data.lerobot import LeRobotDataset
+
+    frame = LeRobotDataset(demo_run / "dataset").frame(0, 0)
+    return {STATE: frame[STATE], SCENE: frame[SCENE], WRIST: frame[WRIST], "task": frame["task"]}
+
+
+def _batch(raw: dict, n: int) -> dict:
+    return {k: ([v] * n if k == "task" else np.stack([v] * n)) for k, v in raw.items()}
+
+
+def test_predict_keeps_the_observations_batching(bundle, one):
+    horizon, dim = bundle.config.model.action_horizon, bundle.action_dim
+    key = jax.random.key(5)
+    single = bundle.predict(one, rng=key)
+    assert single.shape == (horizon, dim) and single.dtype == np.float32
+    np.testing.assert_array_equal(single, bundle.predict(_batch(one, 1), rng=key)[0])
+    assert bundle.predict(_batch(one, 2), rng=key).shape == (2, horizon, dim)
+    assert bundle.predict({**_batch(one, 2), "task": one["task"]}, rng=key).shape == (2, horizon, dim)  # one task
+    with pytest.raises(ObservationError, match=rf"mixes batched keys \['{SCENE}'\] with unbatched keys"):
+        bundle.predict({**one, SCENE: one[SCENE][None]})
+    with pytest.raises(ObservationError, match=r"mixes batched keys \['task'\]"):
+        bundle.predict({**one, "task": [one["task"]]})
+
+
+def test_predict_names_each_bad_input(bundle, one):
+    assert bundle.image_size == (32, 32) and bundle.state_dim == len(one[STATE])
+    wider, dim = np.zeros((40, 40, 3), np.uint8), bundle.state_dim
+    cases = [
+        (
+            {k: v for k, v in one.items() if k != WRIST},
+            rf"lacks \['{WRIST}'\]; .* needs \['{STATE}', 'task', '{SCENE}', '{WRIST}'\]",
+        ),
+        (
+            {**one, SCENE: wider},
+            rf"{SCENE}: expected images of the policy's input size \[32, 32, 3\], got shape \(40, 40, 3\)",
+        ),
+        ({**one, SCENE: np.zeros((32, 32, 4), np.uint8)}, rf"{SCENE}: expected an RGB image \[H, W, 3\]"),
+        ({**one, STATE: np.zeros(dim + 1, np.float32)}, rf"{STATE}: expected {dim} values per state"),
+        ({**one, STATE: np.full(dim, np.nan, np.float32)}, rf"{STATE} holds non-finite values"),
+        ({**one, STATE: np.zeros(dim, bool)}, rf"{STATE}: expected real numbers"),
+        ({**one, WRIST: one[WRIST].astype(np.int16)}, rf"{WRIST}: images must be uint8"),
+        ({**one, "task": 3}, r"task: expected the instruction as a str"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ObservationError, match=message):
+            bundle.predict(bad)
+    # Another size is taken when asked for, resized with padding as the training pipeline resized its frames.
+    assert bundle.predict({**one, SCENE: wider}, resize=True).shape == (
+        bundle.config.model.action_horizon,
+        bundle.action_dim,
+    )
