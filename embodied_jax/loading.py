@@ -54,7 +54,7 @@ def load_policy(
     An exported policy holds one step and one set of weights: ``step`` and ``use_ema`` must be
     left at their defaults for it.
     """
-    path = pathlib.Path(ckpt_dir)
+    path = pathlib.Path(ckpt_dir).absolute()
     if (path / pretrained.POLICY_FILE).is_file():
         if step is not None or not use_ema:
             raise ValueError(f"{ckpt_dir}: an exported policy holds one step and one set of weights")

@@ -55,7 +55,9 @@ def test_a_moved_run_loads_and_predicts_as_the_original(demo_run, observation, r
         np.testing.assert_array_equal(bundle.predict(observation, rng=jax.random.key(3)), reference)
 
 
-def test_an_exported_policy_is_small_self_contained_and_acts_as_the_run(demo_run, observation, reference, tmp_path):
+def test_an_exported_policy_is_small_self_contained_and_acts_as_the_run(
+    demo_run, observation, reference, tmp_path, monkeypatch
+):
     from embodied_jax import load_policy
     from embodied_jax.export import main
 
@@ -76,7 +78,8 @@ def test_an_exported_policy_is_small_self_contained_and_acts_as_the_run(demo_run
     checkpoint = sum(p.stat().st_size for p in (demo_run / "checkpoints" / "4").rglob("*") if p.is_file())
     assert exported < checkpoint / 2  # no optimizer state, no second copy of the weights
     with _hidden(demo_run / "tokenizer.model"), _hidden(demo_run / "dataset"):
-        bundle = load_policy(moved)
+        monkeypatch.chdir(moved.parent)
+        bundle = load_policy("policy")  # a relative path, as on a robot's command line
         assert bundle.step == 4
         np.testing.assert_array_equal(bundle.predict(observation, rng=jax.random.key(3)), reference)
 

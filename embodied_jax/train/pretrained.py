@@ -69,8 +69,8 @@ def _newest_step_dir(checkpoints: pathlib.Path) -> pathlib.Path | None:
 
 
 def _stored_tree(checkpoint: pathlib.Path) -> dict:
-    with ocp.PyTreeCheckpointer() as reader:
-        return reader.metadata(checkpoint).item_metadata.tree
+    with ocp.PyTreeCheckpointer() as reader:  # Orbax finds no metadata under a relative path
+        return reader.metadata(pathlib.Path(checkpoint).absolute()).item_metadata.tree
 
 
 def locate(init_from: str | pathlib.Path) -> WeightsSource:
@@ -174,7 +174,7 @@ def read_params(source: WeightsSource, abstract: TrainState, shardings: TrainSta
         )
     with ocp.PyTreeCheckpointer() as reader:
         restored = reader.restore(
-            source.checkpoint,
+            source.checkpoint.absolute(),
             args=ocp.args.PyTreeRestore(
                 item=placed, restore_args=ocp.checkpoint_utils.construct_restore_args(placed), partial_restore=True
             ),
