@@ -68,8 +68,10 @@ def demo_run(tmp_path_factory) -> pathlib.Path:
     config = dataclasses.replace(
         base,
         episodes=6,
-        eval_envs=8,
-        num_videos=1,
+        # The final evaluation is ``evaluate_policy``, which tests/test_evaluate.py runs through
+        # its command line: evaluations compile with host callbacks, which are never cached.
+        eval_envs=0,
+        num_videos=0,
         workdir=str(workdir),
         model=dataclasses.replace(base.model, num_inference_steps=2),  # plumbing, not success: cheap sampling
         train=TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=4),  # in-training eval at the end

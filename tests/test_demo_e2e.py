@@ -17,16 +17,11 @@ from experiments.demo import demo_config
 from tests.conftest import DEMO_IMAGE as IMAGE
 
 
-def test_demo_writes_dataset_checkpoint_and_report(demo_run):
-    results = json.loads((demo_run / "eval" / "results.json").read_text())
-    assert results["task"] == "reach" and results["episodes"] == 8
-    assert 0.0 <= results["success_rate"] <= 1.0
-    low, high = results["success_ci95"]
-    assert low <= results["success_rate"] <= high
-    assert (demo_run / "eval" / "reach_episode0.mp4").stat().st_size > 0
-    assert (demo_run / "eval" / "reach_frames.png").exists()
+def test_demo_writes_dataset_and_checkpoint(demo_run):
+    # Its report (evaluate_policy) is checked through the evaluate command line (test_evaluate.py).
     assert (demo_run / "dataset" / "meta" / "info.json").exists()
     assert (demo_run / "checkpoints" / "4").is_dir()
+    assert json.loads((demo_run / "demo.json").read_text()) == {"task": "reach", "model": "Pi05Config"}
 
 
 def test_training_logs_closed_loop_success_next_to_the_loss(demo_run):

@@ -1,4 +1,4 @@
-"""Finetuning experiments end to end on tiny scale: ``pi05_finetune`` and ``gr00t_finetune``.
+"""Finetuning ``pi05_finetune`` end to end on tiny scale (GR00T's: tests/test_finetune_tiny.py).
 
 Each run: a LeRobot dataset written by the data writer (3 episodes of 28² images) -> the
 experiment's data config and input builder -> a tiny model started ``--init-from`` an Orbax
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 
 import jax
 import numpy as np
@@ -178,107 +177,3 @@ def test_pi05_finetune_checkpoint_has_quantile_stats(pi05_run):
         np.testing.assert_allclose(
             np.asarray(stats[key]["q99"]).reshape(-1), np.quantile(values, 0.99, axis=0), rtol=1e-5, atol=1e-6
         )
-
-
-# ----------------------------------------------------------------------------- GR00T
-
-GR00T_WORDS = [
-    "[UNK]",
-    "system",
-    "You",
-    "are",
-    "a",
-    "helpful",
-    "assistant",
-    ".",
-    "user",
-    "<",
-    "image",
-    "1",
-    ">",
-    *sorted({w for t in TASKS for w in t.split()}),
-]
-GR00T_SPECIALS = ["<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<|endoftext|>"]
-MODALITY = {
-    "state": {"arm": {"start": 0, "end": 4}, "gripper": {"start": 4, "end": 5}},
-    "action": {"arm": {"start": 0, "end": 3}, "gripper": {"start": 3, "end": 4}},
-    "video": {"ego_view": {"original_key": "observation.images.ego_view"}},
-    "annotation": {"human.task_description": {"original_key": "task_index"}},
-}
-
-
-@pytest.fixture(scope="module")
-def gr00t_run(tmp_path_factory):
-    import tokenizers
-    from tokenizers import models, pre_tokenizers
-
-    from embodied_jax.models.weights.gr00t_n15 import make_layout
-    from experiments.gr00t import TINY_MODEL, gr00t_finetune
-
-    tmp = tmp_path_factory.mktemp("gr00t_finetune")
-    episodes = _episodes(("observation.images.ego_view",), seed=1)
-    write_lerobot_dataset(tmp / "dataset", episodes, fps=10, image_storage="png", modality=MODALITY)
-    assert json.loads((tmp / "dataset" / "meta" / "modality.json").read_text()) == MODALITY
-    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(GR00T_WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(GR00T_SPECIALS)
-    tok.save(str(tmp / "tokenizer.json"))
-
-    base = gr00t_finetune()
-    assert base.model.embodiment_id == 31 and not base.model.tune_visual and not base.model.tune_llm
-    model = dataclasses.replace(
-        TINY_MODEL,
-        vision=dataclasses.replace(TINY_MODEL.vision, image_size=IMAGE),
-        max_token_len=40,
-        action_horizon=HORIZON,
-        image_token_id=len(GR00T_WORDS) + GR00T_SPECIALS.index("<IMG_CONTEXT>"),
-        action_head=dataclasses.replace(TINY_MODEL.action_head, max_num_embodiments=32),
-        embodiment_id=base.model.embodiment_id,
-        tune_visual=base.model.tune_visual,
-        tune_llm=base.model.tune_llm,
-        tune_projector=base.model.tune_projector,
-        tune_diffusion_model=base.model.tune_diffusion_model,
-        tokenizer_path=str(tmp / "tokenizer.json"),
-    )
-    init_from, exported = _converted(model, make_layout("lerobot"), tmp)
-    losses, state, stats = _finetune(base, model, tmp / "dataset", tmp / "run", init_from)
-    return dict(episodes=episodes, losses=losses, state=state, stats=stats, exported=exported)
-
-
-def test_gr00t_finetune_trains_from_converted_weights(gr00t_run):
-    assert len(gr00t_run["losses"]) == 2 and np.isfinite(gr00t_run["losses"]).all()
-
-
-def test_gr00t_finetune_freezes_the_backbone_as_upstream(gr00t_run):
-    frozen = _leaves(gr00t_run["state"].frozen)
-    trainable = _leaves(gr00t_run["state"].params)
-    exported = gr00t_run["exported"]
-    backbone = {k for k in exported if k.startswith("backbone/")}
-    assert set(frozen) == backbone  # vision tower, mlp1 and LLM; nothing of the action head
-    for name, value in frozen.items():
-        np.testing.assert_array_equal(value, exported[name], err_msg=name)
-    assert set(trainable) == set(exported) - backbone
-    changed = [k for k, v in trainable.items() if not np.array_equal(v, exported[k])]
-    assert any(k.startswith("action_head/model/") for k in changed)  # the DiT trains
-    assert "action_head/vl_self_attention/transformer_blocks/attn1/to_q/kernel" in changed
-
-
-def test_gr00t_finetune_uses_the_new_embodiment_slot(gr00t_run):
-    trainable, exported = _leaves(gr00t_run["state"].params), gr00t_run["exported"]
-    for name in (
-        "action_head/state_encoder/layer1/W",
-        "action_head/action_decoder/layer2/W",
-        "action_head/action_encoder/W1/W",
-    ):
-        diff = np.abs(trainable[name] - exported[name]).reshape(32, -1).max(axis=1)
-        assert diff[31] > 0, name
-        assert np.all(diff[:31] == 0), (name, np.nonzero(diff[:31]))
-
-
-def test_gr00t_finetune_checkpoint_has_min_max_stats(gr00t_run):
-    stats, episodes = gr00t_run["stats"], gr00t_run["episodes"]
-    assert set(stats) == {"observation.state", "action"}
-    for key in stats:
-        values = _all(episodes, key)
-        np.testing.assert_allclose(np.asarray(stats[key]["min"]).reshape(-1), values.min(axis=0), rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(stats[key]["max"]).reshape(-1), values.max(axis=0), rtol=1e-6)

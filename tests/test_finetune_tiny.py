@@ -4,6 +4,7 @@ The weights are converted as published ones would be (a random tiny model writte
 upstream safetensors layout, then ``models.convert.to_orbax`` and the tokenizer copied in as
 ``--tokenizer`` does); the launcher gets only ``--data.root`` and ``--init-from`` (and
 ``--workdir``): cameras, widths, horizon and tokenizer come from the dataset and the weights.
+GR00T's run also checks upstream's fine-tuning freezing (backbone unchanged, action head trained).
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ def _converted_weights(model_config, layout, tokenizer, out):
     export_checkpoint(params, layout, out / "upstream")
     weights = convert.to_orbax(out / "upstream", out / "weights", model_config, layout, mesh=mesh)
     write_assets({"tokenizer_path": tokenizer}, weights)
-    return weights
+    return weights, _leaves(params)
+
+
+def _leaves(tree) -> dict[str, np.ndarray]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(jax.device_get(v)) for path, v in flat}
 
 
 @pytest.mark.parametrize("arch", ["pi05", "gr00t"])
@@ -46,7 +52,7 @@ def test_finetune_tiny_needs_only_the_dataset_and_the_weights(demo_run, tmp_path
 
         layout = make_layout("lerobot")
         tokenizer = build_gr00t_tokenizer(tmp_path / "tokenizer.json")
-    weights = _converted_weights(experiment().model, layout, tokenizer, tmp_path)
+    weights, converted = _converted_weights(experiment().model, layout, tokenizer, tmp_path)
     run = tmp_path / "run"
     argv = [experiment.__name__, "--data.root", str(demo_run / "dataset"), "--init-from", str(weights)]
     assert launch.main([*argv, "--workdir", str(run)]) == 0
@@ -55,3 +61,13 @@ def test_finetune_tiny_needs_only_the_dataset_and_the_weights(demo_run, tmp_path
     assert bundle.config.model.tokenizer_path.startswith(str(run))  # the weights' tokenizer, copied into the run
     cameras = dict(bundle.config.data.inputs.cameras)
     assert set(cameras) == {"observation.images.scene", "observation.images.wrist"}
+    if arch == "gr00t":  # upstream's finetune freezing: the backbone keeps the converted weights exactly
+        from flax import nnx
+
+        trained = _leaves(nnx.state(bundle.model, nnx.Param).to_pure_dict())
+        assert set(trained) == set(converted)
+        backbone = {k for k in converted if k.startswith("backbone/")}
+        assert backbone and all(np.array_equal(trained[k], converted[k]) for k in backbone)
+        head = set(converted) - backbone
+        moved = [k for k in head if not np.array_equal(trained[k], converted[k])]
+        assert len(moved) > len(head) // 2, f"only {len(moved)} of {len(head)} action-head leaves trained"

@@ -26,7 +26,7 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server(demo_run, subprocess_env):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "embodied_jax.serve", str(demo_run), "--port", "0", "--max-batch", "4"]
+        [sys.executable, "-m", "embodied_jax.serve", str(demo_run), "--port", "0", "--max-batch", "2"]
         + ["--batch-timeout-ms", "300", "--api-key", KEY, "--max-message-mb", "1", "--rtc"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
