@@ -37,7 +37,23 @@ class StateMismatchError(InputError, ValueError):
     """A checkpoint's train state does not fit the run's (architecture, frozen set, optimizer)."""
 
 
-class IteratorStateHandler(ocp.CheckpointHandler):
+class _FilesHandler(ocp.CheckpointHandler):
+    """An item of plain files written by this project: no tree structure or metadata for Orbax."""
+
+    def structure(self, directory):  # required by the interface
+        return None
+
+    def metadata(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+class IteratorStateHandler(_FilesHandler):
     """Each process writes and reads its own data-iterator state (``process_i-of-n.json``).
 
     A data pipeline's position is per process (its shard of the data), so it restores only
@@ -79,20 +95,8 @@ class IteratorStateHandler(ocp.CheckpointHandler):
         args.iterator.set_state(state)
         return args.iterator
 
-    def structure(self, directory):  # required by the interface
-        return None
 
-    def metadata(self, directory):
-        return None
-
-    def finalize(self, directory):
-        pass
-
-    def close(self):
-        pass
-
-
-class AssetsHandler(ocp.CheckpointHandler):
+class AssetsHandler(_FilesHandler):
     """Copies the model config's files into ``<step>/assets/<field>/<name>`` (process 0 writes)."""
 
     def save(self, directory: epath.Path, args: AssetsSave) -> None:
@@ -101,18 +105,6 @@ class AssetsHandler(ocp.CheckpointHandler):
 
     def restore(self, directory: epath.Path, args: AssetsRestore | None = None) -> dict[str, pathlib.Path]:
         return read_assets(pathlib.Path(directory).parent)
-
-    def structure(self, directory):  # required by the interface
-        return None
-
-    def metadata(self, directory):
-        return None
-
-    def finalize(self, directory):
-        pass
-
-    def close(self):
-        pass
 
 
 @ocp.args.register_with_handler(AssetsHandler, for_save=True)
