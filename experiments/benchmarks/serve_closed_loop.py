@@ -106,13 +106,20 @@ def main(argv: list[str] | None = None) -> dict:
             client.close()
         pool.shutdown()
         running.close()
-    difference = max(float(np.abs(a - b).max()) for a, b in zip(local_actions, served_actions, strict=True))
+    per_replan = [float(np.abs(a - b).max()) for a, b in zip(local_actions, served_actions, strict=True)]
+    difference = max(per_replan)
+    # Identical observations give answers equal to float rounding (batch sizes differ: 64 rows in
+    # process, buckets of up to --max-batch through the server); in closed loop such differences
+    # can grow once they change a rollout, so say where the first one above 1e-4 appears.
+    first_large = next((i for i, d in enumerate(per_replan) if d > 1e-4), None)
     successes = [round(m["success_rate"] * m["episodes"]) for m in (local, served)]
     report = {
         "task": task,
         "episodes": local["episodes"],
         "replans": len(local_actions),
         "max_action_difference": difference,
+        "first_replan_difference": per_replan[0],
+        "first_replan_above_1e-4": first_large,
         "successes_in_process": successes[0],
         "successes_through_server": successes[1],
         "in_process_s": local_s,
