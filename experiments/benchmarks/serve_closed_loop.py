@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--task", default=None, help="default: the run's evaluation task")
     parser.add_argument("--envs", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--batch-timeout-ms", type=float, default=5.0)
     args = parser.parse_args(argv)
 
     from embodied_jax import load_policy
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     local = Evaluator(env, _callback_act(in_process, bundle, env.instruction, local_actions), config)(jax.random.key(0))
     local_s = time.perf_counter() - t0
 
-    running = _Running(bundle, args.max_batch)
+    running = _Running(bundle, args.max_batch, args.batch_timeout_ms)
     clients = [PolicyClient("127.0.0.1", running.server.port) for _ in range(args.envs)]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.envs)
 

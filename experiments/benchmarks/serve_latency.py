@@ -90,10 +90,10 @@ def stand_in_bundle(name: str, workdir: pathlib.Path):
 class _Running:
     """A ``PolicyServer`` on its own event loop in a background thread."""
 
-    def __init__(self, bundle, max_batch: int):
+    def __init__(self, bundle, max_batch: int, batch_timeout_ms: float = 5.0):
         from embodied_jax.serve.server import PolicyServer, ServeConfig
 
-        self.server = PolicyServer(bundle, ServeConfig(port=0, max_batch=max_batch, batch_timeout_ms=5.0))
+        self.server = PolicyServer(bundle, ServeConfig(port=0, max_batch=max_batch, batch_timeout_ms=batch_timeout_ms))
         t0 = time.perf_counter()
         self.server.warm_up()
         self.compile_s = time.perf_counter() - t0
