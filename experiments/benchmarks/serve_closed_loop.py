@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     from embodied_jax.evaluation import SimEvaluation
     from embodied_jax.serve.client import PolicyClient
     from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator
-    from experiments.benchmarks.serve_latency import _Running
+    from experiments.benchmarks.serve_latency import RunningServer
 
     bundle = load_policy(args.run)
     evaluation = bundle.config.evaluation if isinstance(bundle.config.evaluation, SimEvaluation) else SimEvaluation()
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     local = Evaluator(env, _callback_act(in_process, bundle, env.instruction, local_actions), config)(jax.random.key(0))
     local_s = time.perf_counter() - t0
 
-    running = _Running(bundle, args.max_batch, args.batch_timeout_ms)
+    running = RunningServer(bundle, args.max_batch, args.batch_timeout_ms)
     clients = [PolicyClient("127.0.0.1", running.server.port) for _ in range(args.envs)]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.envs)
 

@@ -87,7 +87,7 @@ def stand_in_bundle(name: str, workdir: pathlib.Path):
     return PolicyBundle(config, policy, stats, step=0)
 
 
-class _Running:
+class RunningServer:
     """A ``PolicyServer`` on its own event loop in a background thread."""
 
     def __init__(self, bundle, max_batch: int, batch_timeout_ms: float = 5.0):
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             bundle = make()
             observation = PolicyServer(bundle).example_observation()
             for max_batch in args.max_batch:
-                running = _Running(bundle, max_batch)
+                running = RunningServer(bundle, max_batch)
                 try:
                     for clients in args.clients:
                         row = {"policy": name, "max_batch": max_batch, "compile_s": running.compile_s}
