@@ -112,9 +112,7 @@ class PolicyBundle:
         self.params = nnx.state(model)
         # NNX modules may not cross a trace boundary: jitted code rebuilds the model from its state.
         self._graphdef = nnx.graphdef(model)
-        self._sample = jax.jit(lambda params, obs, rng: self._merge(params).sample_actions(obs, rng))
         self._sample_rows = jax.jit(self._rows_sampler)
-        self._sample_rows_rtc = jax.jit(self._rows_sampler)  # compiled separately: the guided sampler
         self._rng = jax.random.key(seed)
 
     def _rows_sampler(self, params, obs, keys, prefix=None, weights=None):
@@ -318,7 +316,7 @@ class PolicyBundle:
             actions = self._sample_rows(self.params, obs, keys)
         else:
             prefix, weights = zip(*(self._guide(p) for p in prefixes), strict=True)
-            actions = self._sample_rows_rtc(self.params, obs, keys, jnp.stack(prefix), jnp.stack(weights))
+            actions = self._sample_rows(self.params, obs, keys, jnp.stack(prefix), jnp.stack(weights))
         state = np.stack([np.asarray(o[self.inputs.state_key], np.float32) for o in observations])
         return self.postprocess(np.asarray(actions), state)
 
