@@ -87,7 +87,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU (run with JAX_PLATFORMS=cuda,cpu); skipped without one")
 
 
+# Test modules that share the session's ``demo_run``: one xdist worker runs them all, so the
+# demo is trained once.
+DEMO_RUN_MODULES = {
+    "test_demo_e2e.py",
+    "test_evaluate.py",
+    "test_finetune_tiny.py",
+    "test_relocation.py",
+    "test_serve.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # With ``-n 2 --dist loadgroup`` (README's test command) each module runs on one worker,
+    # so its module-scoped fixtures (compiled functions, rollouts) are built once.
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group("demo_run" if name in DEMO_RUN_MODULES else name))
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason=f"needs a GPU (default backend is {jax.default_backend()!r})")

@@ -13,16 +13,19 @@ block boundary; padding tokens are dropped. Static sizes come from ``SegmentBoun
 needs ``min(T, (T + R (b - 1)) // b)`` blocks, and a query block needs at most
 ``ceil(max_kv_len / b)`` key blocks, those of its own segment. Query block j gathers its
 segment's key blocks [J, B, C, b, ...] (block-major, so the loop below slices without a
-transpose); a ``lax.map`` over query blocks runs logits, mask and softmax for one block
-at a time (its logits stay in cache; the backward pass recomputes them), and the outputs
-are gathered back to the original token order (zeros where a query sees no key).
+transpose); a ``lax.map`` over query blocks runs logits, mask and softmax for a few blocks
+at a time (their logits stay in cache), and the outputs are gathered back to the original
+token order (zeros where a query sees no key). The loop has its own VJP with flash
+attention's arithmetic: the forward pass keeps each query's log-sum-exp, the backward pass
+recomputes the probabilities from it (no softmax to differentiate, no normalised
+probabilities stored).
 
 Cost: at most T x max_kv_len query-key pairs per row (plus the block rounding), against
 B x L^2 for the same samples padded to L; with static shapes the bound is the worst case
 of the packing config, so rows of short samples still pay for ``max_kv_len`` keys.
 
-Everything is gathers, einsums and a softmax, so JAX differentiates it (the backward pass
-scatter-adds into the gathered blocks) and XLA compiles it on CPU and GPU. The bounds must
+Everything is gathers, einsums and exponentials: XLA compiles it on CPU and GPU, and JAX
+differentiates the gathers (scatter-adds into the gathered blocks). The bounds must
 hold: a row with more segments than ``max_segments`` or a segment longer than its bound
 loses keys silently (the packer and the model configs guarantee them).
 """
@@ -30,10 +33,12 @@ loses keys silently (the packer and the model configs guarantee them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,21 +166,78 @@ def block_sparse_attention(
         & kv_valid[:, :, None, :, None]
     )  # [Jq, B, bq, C, bk]
     qg = qv.reshape(jq, b, bq, kv_heads, g, h)
-
-    @jax.checkpoint  # the backward pass recomputes one query block's probabilities at a time
-    def one_block(args):
-        q_j, k_j, v_j, mask_j = args  # [B, bq, K, G, H], [B, C, bk, K, H] x2, [B, bq, C, bk]
-        logits = jnp.einsum("bqkgh,bctkh->bkgqct", q_j, k_j, preferred_element_type=jnp.float32)
-        mask6 = mask_j[:, None, None]
-        logits = jnp.where(mask6, logits.astype(jnp.float32) * jnp.float32(scale), jnp.finfo(jnp.float32).min)
-        shape = logits.shape
-        probs = jax.nn.softmax(logits.reshape(*shape[:4], -1), axis=-1).reshape(shape)
-        probs = jnp.where(mask6, probs, 0.0)
-        return jnp.einsum("bkgqct,bctkh->bqkgh", probs.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32)
-
-    # One query block at a time: its logits stay in cache instead of a [Jq, bq, C·bk] tensor in
-    # memory. Blocks are gathered block-major, so the loop slices them without a transpose.
-    out = jax.lax.map(one_block, (qg, kb, vb, mask))  # [Jq, B, bq, K, G, H]
+    out = _query_blocks(qg, kb, vb, mask, float(scale))  # [Jq, B, bq, K, G, H]
     out = jnp.concatenate([out.reshape(jq, b, bq, n, h), jnp.zeros((1, b, bq, n, h), out.dtype)], axis=0)
     dest = ql.dest  # [B, T]: virtual slot, jq * bq for padding (-> the zero block)
     return out[dest // bq, jnp.arange(b)[:, None], dest % bq].astype(q.dtype)
+
+
+# One query block against its gathered key blocks: q [B, bq, K, G, H], k/v [B, C, bk, K, H],
+# mask [B, bq, C, bk]. Flash attention's arithmetic (softmax statistics saved, probabilities
+# recomputed in the backward pass) costs about a third of the elementwise work that
+# differentiating a masked softmax costs, and elementwise work is what bounds this on a CPU.
+_LOGITS = "bqkgh,bctkh->bkgqct"
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def _logits(q, k, mask, scale):
+    s = jnp.einsum(_LOGITS, q, k, preferred_element_type=jnp.float32) * scale
+    return jnp.where(mask[:, None, None], s, _NEG)  # [B, K, G, bq, C, bk]
+
+
+def _block_forward(q, k, v, mask, scale):
+    s = _logits(q, k, mask, scale)
+    m = jnp.max(s, axis=(-2, -1), keepdims=True)
+    m = jnp.where(m > _NEG, m, 0.0)  # a query that sees nothing: every exp is 0, output 0
+    p = jnp.exp(s - m)
+    total = jnp.sum(p, axis=(-2, -1))  # [B, K, G, bq]
+    out = jnp.einsum("bkgqct,bctkh->bqkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    seen = total > 0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
+    out = out * jnp.moveaxis(inv, 3, 1)[..., None]
+    lse = jnp.where(seen, m[..., 0, 0] + jnp.log(jnp.where(seen, total, 1.0)), jnp.inf)
+    return out, lse
+
+
+def _block_backward(q, k, v, mask, out, lse, g, scale):
+    s = _logits(q, k, mask, scale)
+    p = jnp.exp(s - lse[..., None, None])  # masked logits and unseen queries: exactly 0
+    dv = jnp.einsum("bkgqct,bqkgh->bctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqkgh,bctkh->bkgqct", g, v, preferred_element_type=jnp.float32)
+    delta = jnp.moveaxis(jnp.sum(g.astype(jnp.float32) * out, axis=-1), 1, 3)  # [B, K, G, bq]
+    ds = p * (dp - delta[..., None, None]) * scale
+    dq = jnp.einsum("bkgqct,bctkh->bqkgh", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgqct,bqkgh->bctkh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
+# Query blocks per loop iteration: a few blocks give XLA:CPU larger ops (both cores busy)
+# while the logits of one iteration still fit in cache.
+_QUERY_BLOCKS_PER_STEP = 4
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _query_blocks(q, k, v, mask, scale: float):
+    """Attention of every query block [Jq, ...] against its own key blocks (one loop)."""
+    return _query_blocks_fwd(q, k, v, mask, scale)[0]
+
+
+def _query_blocks_fwd(q, k, v, mask, scale):
+    out, lse = jax.lax.map(
+        lambda a: _block_forward(*a, scale), (q, k, v, mask), batch_size=min(_QUERY_BLOCKS_PER_STEP, q.shape[0])
+    )
+    return out.astype(q.dtype), (q, k, v, mask, out, lse)
+
+
+def _query_blocks_bwd(scale, residuals, g):
+    q, k, v, mask, out, lse = residuals
+    dq, dk, dv = jax.lax.map(
+        lambda a: _block_backward(*a, scale),
+        (q, k, v, mask, out, lse, g),
+        batch_size=min(_QUERY_BLOCKS_PER_STEP, q.shape[0]),
+    )
+    zero_mask = np.zeros(mask.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_mask
+
+
+_query_blocks.defvjp(_query_blocks_fwd, _query_blocks_bwd)

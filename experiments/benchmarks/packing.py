@@ -1,4 +1,4 @@
-"""``python -m experiments.benchmarks.packing MODEL [--batch 8] [--steps 3] [--seq-len N] [overrides]``
+"""``python -m experiments.benchmarks.packing MODEL [--batch 8] [--steps 3] [--rounds 2] [--seq-len N] [overrides]``
 
 Padded batches vs packed rows on a realistic multi-embodiment mixture, same samples per step,
 timed in one process. MODEL is ``pi05_bench`` or ``gr00t_bench`` (any experiment of either
@@ -10,12 +10,19 @@ prompt carries the discretised state as text (one token per digit plus a separat
 dimension, as PaliGemma's tokenizer splits numbers). Token ids and pixels are random: the
 cost of a step depends only on the shapes.
 
-- padded (today's batching): prompts right-padded to ``max_token_len``, every camera slot
-  filled; absent cameras masked (π0.5) or given a blank image (GR00T has no camera mask);
-- packed: the builders' variable-length form (only the cameras a sample has, no prompt
-  padding) packed by ``data/packing.py`` into rows of ``--seq-len`` tokens (default: the
-  multiple of 128 whose packed steps cost the fewest analytic FLOPs), the row count,
-  samples and image slots per row fixed to the most any step needs (static shapes).
+- padded (today's batching): ``--steps`` steps of ``--batch`` samples, prompts right-padded
+  to ``max_token_len``, every camera slot filled; absent cameras masked (π0.5) or given a
+  blank image (GR00T has no camera mask);
+- packed: the same samples in the same order, as the training pipeline packs them: the
+  builders' variable-length form (only the cameras a sample has, no prompt padding) packed
+  first-fit by ``data/packing.py`` into rows of ``--seq-len`` tokens and a number of image
+  slots (default: the multiple of 128 and the slot count whose steps cost the fewest
+  analytic FLOPs), then cut into as many steps of equally many rows: the same samples per
+  step on average (each step's count is printed), samples per row fixed to the most any row
+  holds (static shapes).
+
+The two layouts' steps alternate (``--rounds`` timed passes after ``--warmup``), so a change
+of the machine's load hits both alike; each figure is the median step.
 
 Prints the mixture's statistics, the timings and one JSON line with ``model``,
 ``padded_examples_per_s``, ``packed_examples_per_s``, ``speedup`` (packed / padded) and
@@ -156,45 +163,43 @@ def gr00t_samples(model, mixture, rng):
     return padded, packed
 
 
-def time_steps(rt, state, batches, warmup: int, steps: int, profile: str | None = None, label: str = ""):
-    import jax
-
+def compile_step(rt, state, batches):
+    """Compiled train step of these batches (one shape) and the batches on the mesh."""
     from embodied_jax.parallel.sharding import global_batch
 
     device = [global_batch(b, rt.mesh, rt.rules) for b in batches]
-    step = rt.step_function(device[0])
     t0 = time.perf_counter()
-    compiled = step.lower(state, device[0]).compile()
-    compile_s = time.perf_counter() - t0
-    for i in range(warmup):
-        state, metrics = compiled(state, device[i % len(device)])
-    jax.block_until_ready(metrics)
-    times = []
-    for i in range(steps):
-        t = time.perf_counter()
-        state, metrics = compiled(state, device[i % len(device)])
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t)
-    if profile:
-        from experiments.benchmarks.profile import report
+    compiled = rt.step_function(device[0]).lower(state, device[0]).compile()
+    return compiled, device, time.perf_counter() - t0
 
-        holder = {"state": state}
 
-        def run():
-            holder["state"], m = compiled(holder["state"], device[0])
-            return m
+def time_interleaved(state, layouts: dict, warmup: int, rounds: int):
+    """Median seconds per step of each layout, their steps alternating (``rounds`` passes over
+    every layout's batches), so a change of the machine's load hits both alike. The step
+    donates its state: each call continues from the state the previous one returned."""
+    import jax
 
-        report(label, run, compiled, f"{profile}/{label}")
-        state = holder["state"]
-    return statistics.median(times), compile_s, float(metrics["loss"]), state
+    times = {name: [] for name in layouts}
+    loss = {}
+    for r in range(warmup + rounds):
+        for name, (compiled, device) in layouts.items():
+            for batch in device:
+                t = time.perf_counter()
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready(metrics)
+                if r >= warmup:
+                    times[name].append(time.perf_counter() - t)
+                loss[name] = float(metrics["loss"])
+    return {name: statistics.median(t) for name, t in times.items()}, loss, state
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--batch", type=int, default=8, help="samples per step (both layouts)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=8, help="samples per padded step (packed: the same on average)")
+    parser.add_argument("--steps", type=int, default=3, help="steps of each layout (the same samples)")
+    parser.add_argument("--rounds", type=int, default=2, help="timed passes over every layout's steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed passes first")
     parser.add_argument("--seq-len", type=int, default=0, help="packed row length (0: the cheapest multiple of 128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=None, help="trace one step of each layout here, print the top ops")
@@ -214,30 +219,51 @@ def main(argv: list[str] | None = None) -> dict:
     config = dataclasses.replace(config, model=model, train=dataclasses.replace(config.train, batch_size=bench.batch))
     make = pi05_samples if family == "pi05" else gr00t_samples
     per_step = [make(model, step, rng) for step in mixture]
-    lengths = [len(p["tokens"]) for _, packed in per_step for p in packed]
+    stream = [p for _, packed in per_step for p in packed]  # the samples in the order the loader yields them
+    lengths = [len(p["tokens"]) for p in stream]
     tokens_per_image = model.vision.num_patches
 
     def analytic(batch):
         f = model.training_flops(batch)
         return f["weights"] + f["attention"]
 
-    def layout(seq_len):
-        """Packed batches with rows, samples and image slots per row fixed to the most any step needs."""
-        packing = PackingConfig(seq_len=seq_len, max_samples_per_row=bench.batch).resolved(tokens_per_image)
-        first = [pack_samples(packed, packing) for _, packed in per_step]
-        rows = max(len(b["tokens"]) for b in first)
-        packing = dataclasses.replace(
-            packing,
-            max_samples_per_row=max(int(b["sample_mask"].sum(1).max()) for b in first),
-            max_images_per_row=max(int((b["image_segment_ids"] > 0).sum(1).max()) for b in first),
-        )
-        batches = [pack_samples(packed, packing, num_rows=rows) for _, packed in per_step]
-        return float(np.mean([analytic(b) for b in batches])), packing, rows, batches
+    # Packing decisions depend on image counts, not pixels: search with 1x1 stand-ins.
+    light = [dict(p, images=np.zeros((len(p["images"]), 1, 1, 3), np.float32)) for p in stream]
 
-    # The row length a user would pick for this mixture: the one whose packed steps cost least.
-    step = 128
-    candidates = [bench.seq_len] if bench.seq_len else range(-(-max(lengths) // step) * step, 4 * max(lengths), step)
-    packed_flops, packing, rows, packed_batches = min((layout(n) for n in candidates), key=lambda x: x[0])
+    def layout(seq_len, images, samples=light):
+        """The stream packed as the training pipeline packs it (first fit over the loader's bins)
+        into ``steps`` steps of equally many rows; None when a sample does not fit."""
+        if images * tokens_per_image > seq_len + tokens_per_image or images < max(len(p["images"]) for p in stream):
+            return None
+        packing = PackingConfig(seq_len=seq_len, max_samples_per_row=len(stream), max_images_per_row=images)
+        rows = pack_samples(samples, packing)
+        packing = dataclasses.replace(packing, max_samples_per_row=int(rows["sample_mask"].sum(1).max()))
+        rows_per_step = -(-len(rows["tokens"]) // bench.steps)
+        rows = pack_samples(samples, packing, num_rows=rows_per_step * bench.steps)
+        batches = [
+            {k: v[i * rows_per_step : (i + 1) * rows_per_step] for k, v in rows.items()} for i in range(bench.steps)
+        ]
+        return sum(analytic(b) for b in batches) / bench.steps, packing, rows_per_step, batches
+
+    # The row length and image slots a user would pick for this mixture: those whose packed
+    # steps cost least (multiples of 128 tokens).
+    unit = 128
+    if bench.seq_len:
+        candidates = [bench.seq_len]
+    else:
+        candidates = range(-(-max(lengths) // unit) * unit, 8 * max(lengths), unit)
+    images_needed = sum(len(p["images"]) for p in stream) / sum(lengths)  # images per token
+    options = []
+    for seq_len in candidates:
+        typical = images_needed * seq_len
+        for images in sorted({max(1, int(typical * f)) for f in (0.9, 1.0, 1.1, 1.2, 1.35, 1.5)}):
+            option = layout(seq_len, images)
+            if option is not None:
+                options.append(option)
+    if not options:
+        raise ValueError(f"packing: no row of {list(candidates)} tokens holds every sample")
+    best = min(options, key=lambda x: x[0])[1]
+    packed_flops, packing, rows, packed_batches = layout(best.seq_len, best.max_images_per_row, stream)
     seq_len, per_row = packing.seq_len, packing.max_samples_per_row
     padded_batches = [stack_rows(padded) for padded, _ in per_step]
 
@@ -246,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     texts = [s.text_tokens for s in flat]
     real = sum(int((b["segment_ids"] > 0).sum()) for b in packed_batches)
     slots = sum(int((b["image_segment_ids"] > 0).sum()) for b in packed_batches)
+    samples_per_step = [int(b["sample_mask"].sum()) for b in packed_batches]
     print(
         f"mixture: {len(flat)} samples (seed {bench.seed}); cameras 1/2/3: {cams.tolist()}; instruction words "
         f"{min(s.words for s in flat)}-{max(s.words for s in flat)} (mean {np.mean([s.words for s in flat]):.1f}); "
@@ -253,42 +280,57 @@ def main(argv: list[str] | None = None) -> dict:
         f"{min(lengths)}-{max(lengths)} (mean {np.mean(lengths):.1f})"
     )
     print(
-        f"padded: {bench.batch} samples x {padded_batches[0]['tokens'].shape[1]} prompt tokens, "
-        f"{len(CAMERAS[family])} camera slots each"
+        f"padded: {bench.steps} steps of {bench.batch} samples x {padded_batches[0]['tokens'].shape[1]} prompt "
+        f"tokens, {len(CAMERAS[family])} camera slots each"
     )
     print(
-        f"packed: {rows} rows x {seq_len} tokens, <= {per_row} samples and {packing.max_images_per_row} image "
+        f"packed: the same {len(flat)} samples in {bench.steps} steps of {rows} rows x {seq_len} tokens "
+        f"(samples per step {samples_per_step}), <= {per_row} samples and {packing.max_images_per_row} image "
         f"slots per row; tokens real {real / (rows * seq_len * len(packed_batches)):.1%}, image slots used "
         f"{slots / (rows * packing.max_images_per_row * len(packed_batches)):.1%}"
     )
 
     padded_flops = np.mean([analytic(b) for b in padded_batches])
     one = dataclasses.replace(packing, max_samples_per_row=1)
-    unpadded_flops = np.mean(
-        [
-            sum(
-                analytic(
-                    pack_samples(
-                        [p],
-                        dataclasses.replace(one, seq_len=len(p["tokens"]), max_images_per_row=max(1, len(p["images"]))),
-                    )
+    unpadded_flops = (
+        sum(
+            analytic(
+                pack_samples(
+                    [p], dataclasses.replace(one, seq_len=len(p["tokens"]), max_images_per_row=max(1, len(p["images"])))
                 )
-                for p in packed
             )
-            for _, packed in per_step
-        ]
+            for p in stream
+        )
+        / bench.steps
     )
 
     rt = build(config)
     with rt.context():
         state = initial_state(rt)
-        # the step donates its state: each layout continues from the state the previous one returned
-        padded_s, padded_compile, padded_loss, state = time_steps(
-            rt, state, padded_batches, bench.warmup, bench.steps, bench.profile, "padded"
+        padded_step, padded_device, padded_compile = compile_step(rt, state, padded_batches)
+        packed_step, packed_device, packed_compile = compile_step(rt, state, packed_batches)
+        medians, loss, state = time_interleaved(
+            state,
+            {"padded": (padded_step, padded_device), "packed": (packed_step, packed_device)},
+            bench.warmup,
+            bench.rounds,
         )
-        packed_s, packed_compile, packed_loss, state = time_steps(
-            rt, state, packed_batches, bench.warmup, bench.steps, bench.profile, "packed"
-        )
+        if bench.profile:
+            from experiments.benchmarks.profile import report
+
+            for label, compiled, device in (
+                ("padded", padded_step, padded_device),
+                ("packed", packed_step, packed_device),
+            ):
+                holder = {"state": state}
+
+                def run(compiled=compiled, batch=device[0], holder=holder):
+                    holder["state"], m = compiled(holder["state"], batch)
+                    return m
+
+                report(label, run, compiled, f"{bench.profile}/{label}")
+                state = holder["state"]
+    padded_s, packed_s = medians["padded"], medians["packed"]
     result = {
         "model": config.name,
         "samples_per_step": bench.batch,
@@ -306,8 +348,10 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
         "seq_len": seq_len,
         "samples_per_row": per_row,
+        "image_slots_per_row": packing.max_images_per_row,
+        "packed_samples_per_step": samples_per_step,
         "compile_s": {"padded": padded_compile, "packed": packed_compile},
-        "loss": {"padded": padded_loss, "packed": packed_loss},
+        "loss": loss,
     }
     print(json.dumps(result))
     return result
