@@ -12,17 +12,23 @@ block boundary; padding tokens are dropped. Static sizes come from ``SegmentBoun
 (what the packing config guarantees): with at most R segments per row the virtual row
 needs ``min(T, (T + R (b - 1)) // b)`` blocks, and a query block needs at most
 ``ceil(max_kv_len / b)`` key blocks, those of its own segment. Query block j gathers its
-segment's key blocks [J, B, C, b, ...] (block-major, so the loop below slices without a
-transpose); a ``lax.map`` over query blocks runs logits, mask and softmax for a few blocks
-at a time (their logits stay in cache), and the outputs are gathered back to the original
-token order (zeros where a query sees no key). The loop has its own VJP with flash
-attention's arithmetic: the forward pass keeps each query's log-sum-exp, the backward pass
-recomputes the probabilities from it (no softmax to differentiate, no normalised
-probabilities stored).
+segment's key blocks [J, B, C, b, ...] (block-major, so the loop slices without a
+transpose).
 
-Cost: at most T x max_kv_len query-key pairs per row (plus the block rounding), against
-B x L^2 for the same samples padded to L; with static shapes the bound is the worst case
-of the packing config, so rows of short samples still pay for ``max_kv_len`` keys.
+Compute. The query blocks are sorted by how many key blocks they need (up to the last one
+holding a visible key: a causal query block needs those up to itself, a short sample's
+only its own few), longest first. A ``lax.map`` takes four query blocks per step; inside
+it a loop with a data-dependent trip count takes four key blocks at a time, as many as
+the step's first (neediest) block needs, with an online softmax. The loop has its own VJP
+with flash attention's arithmetic: the forward pass keeps each query's log-sum-exp, the
+backward pass recomputes the probabilities from it (no softmax to differentiate, none
+stored). The outputs are gathered back to the original token order (zeros where a query
+sees no key).
+
+Cost: the visible block pairs, rounded up to groups of four key blocks and to the
+neediest of four sorted query blocks (about the real query-key pairs of the row's
+samples, half of them for causal attention), against B x L^2 for the same samples padded
+to L. Memory is static: the gathered key blocks are sized by ``max_kv_len``.
 
 Everything is gathers, einsums and exponentials: XLA compiles it on CPU and GPU, and JAX
 differentiates the gathers (scatter-adds into the gathered blocks). The bounds must
@@ -129,115 +135,159 @@ def block_sparse_attention(
     ql = _layout(q_segment_ids, r, bq, jq)
     kl = _layout(kv_segment_ids, r, bk, jk)
 
+    qb = min(_QUERY_BLOCKS_PER_STEP, jq)  # query blocks per loop step
+    ck = min(_KEY_BLOCKS_PER_STEP, c)  # key blocks per inner step
+    c = -(-c // ck) * ck
+    groups = -(-jq // qb)
     rows = jnp.arange(b)[None, :, None]
 
-    def by_block(x, layout, block):  # [B, T, ...] -> [J, B, block, ...], gathered in that order
+    def by_block(x, layout, block, order=None):  # [B, T, ...] -> [J(+1), B, block, ...]
         xp = jnp.concatenate([x, jnp.zeros((b, 1, *x.shape[2:]), x.dtype)], axis=1)  # index T: a zero row
-        index = jnp.swapaxes(layout.source.reshape(b, -1, block), 0, 1)
+        index = layout.source.reshape(b, -1, block)
+        index = jnp.concatenate([index, jnp.full((b, 1, block), x.shape[1], index.dtype)], axis=1)  # an empty block
+        index = jnp.swapaxes(index if order is None else index[:, order], 0, 1)
         return xp[rows, index]
 
-    qv = by_block(q, ql, bq)  # [Jq, B, bq, N, H]
-    q_seg_v = by_block(jnp.asarray(q_segment_ids, jnp.int32), ql, bq)  # 0 in empty slots (the zero row)
-    q_blk_v = by_block(q_blk, ql, bq)
-    kv_layout = lambda x: jnp.swapaxes(by_block(x, kl, bk), 0, 1)  # noqa: E731  [B, Jk, bk, ...]
+    kv_layout = lambda x: jnp.swapaxes(by_block(x, kl, bk)[:-1], 0, 1)  # noqa: E731  [B, Jk, bk, ...]
     kv_seg_v, kv_blk_v = kv_layout(jnp.asarray(kv_segment_ids, jnp.int32)), kv_layout(kv_blk)
-    kvv = kv_layout(k), kv_layout(v)
 
-    # Key blocks of each query block: its segment's run on the key side.
-    seg_j = ql.block_segment  # [B, Jq]
-    match = (kl.run_segment[:, None, :] == seg_j[:, :, None]) & (seg_j[:, :, None] != 0)  # [B, Jq, R]
+    # Key blocks of each query block (the last one empty): its segment's run on the key side.
+    seg_j = jnp.concatenate([ql.block_segment, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, Jq + 1]
+    match = (kl.run_segment[:, None, :] == seg_j[:, :, None]) & (seg_j[:, :, None] != 0)  # [B, Jq + 1, R]
     kv_run = jnp.argmax(match, axis=-1)
-    has = match.any(-1)
     first = jnp.take_along_axis(kl.run_first_block, kv_run, axis=1)
-    count = jnp.where(has, jnp.take_along_axis(kl.run_blocks, kv_run, axis=1), 0)
+    count = jnp.where(match.any(-1), jnp.take_along_axis(kl.run_blocks, kv_run, axis=1), 0)
     step = jnp.arange(c, dtype=jnp.int32)
-    kv_index = jnp.swapaxes(jnp.minimum(first[..., None] + step, jk - 1), 0, 1)  # [Jq, B, C]
-    kv_valid = jnp.swapaxes(step[None, None, :] < count[..., None], 0, 1)
+    kv_index = jnp.minimum(first[..., None] + step, jk - 1)  # [B, Jq + 1, C]
+    kv_valid = step[None, None, :] < count[..., None]
 
-    def take_blocks(x):  # [B, Jk, ...] -> [Jq, B, C, ...]
-        return x[rows, kv_index]
+    def take_blocks(x, order=slice(None)):  # [B, Jk, ...] -> [J, B, C, ...]
+        return jnp.swapaxes(x[jnp.arange(b)[:, None, None], kv_index[:, order]], 0, 1)
 
-    kb, vb = take_blocks(kvv[0]), take_blocks(kvv[1])  # [Jq, B, C, bk, K, H]
-    kb_seg, kb_blk = take_blocks(kv_seg_v), take_blocks(kv_blk_v)  # [Jq, B, C, bk]
-    mask = (
-        (q_seg_v[..., None, None] == kb_seg[:, :, None])
-        & (kb_seg[:, :, None] != 0)
-        & (kb_blk[:, :, None] <= q_blk_v[..., None, None])
-        & kv_valid[:, :, None, :, None]
-    )  # [Jq, B, bq, C, bk]
-    qg = qv.reshape(jq, b, bq, kv_heads, g, h)
-    out = _query_blocks(qg, kb, vb, mask, float(scale))  # [Jq, B, bq, K, G, H]
-    out = jnp.concatenate([out.reshape(jq, b, bq, n, h), jnp.zeros((1, b, bq, n, h), out.dtype)], axis=0)
+    def visible(order=slice(None)):  # [J, B, bq, C, bk]
+        q_seg_v = by_block(jnp.asarray(q_segment_ids, jnp.int32), ql, bq)[order]  # 0 in empty slots
+        q_blk_v = by_block(q_blk, ql, bq)[order]
+        kb_seg, kb_blk = take_blocks(kv_seg_v, order), take_blocks(kv_blk_v, order)
+        return (
+            (q_seg_v[..., None, None] == kb_seg[:, :, None])
+            & (kb_seg[:, :, None] != 0)
+            & (kb_blk[:, :, None] <= q_blk_v[..., None, None])
+            & jnp.swapaxes(kv_valid[:, order], 0, 1)[:, :, None, :, None]
+        )
+
+    # The key blocks a query block really needs (up to its last visible one: a causal query
+    # block needs only those up to itself). Query blocks are processed longest first, so the
+    # blocks of one loop step need about equally many and the loop stops at what they need.
+    seen = visible().any(axis=(1, 2, 4))  # [Jq + 1, C]
+    need = jnp.max(jnp.where(seen, step + 1, 0), axis=1)[:jq]
+    order = jnp.argsort(-need, stable=True).astype(jnp.int32)
+    order = jnp.concatenate([order, jnp.full((groups * qb - jq,), jq, jnp.int32)])  # pad with the empty block
+    need_sorted = jnp.concatenate([need, jnp.zeros((1,), need.dtype)])[order]
+    chunks = (need_sorted.reshape(groups, qb)[:, 0] + ck - 1) // ck  # [groups]: sorted, the first needs most
+
+    def grouped(x):
+        return x.reshape(groups, qb, *x.shape[1:])
+
+    qg = grouped(by_block(q, ql, bq, order).reshape(groups * qb, b, bq, kv_heads, g, h))
+    kvv = kv_layout(k), kv_layout(v)
+    kb, vb = grouped(take_blocks(kvv[0], order)), grouped(take_blocks(kvv[1], order))  # [G', qb, B, C, bk, K, H]
+    mask = grouped(visible(order))  # [G', qb, B, bq, C, bk]
+    out = _query_blocks(qg, kb, vb, mask, chunks, float(scale), ck)  # [G', qb, B, bq, K, G, H]
+    out = jnp.concatenate([out.reshape(groups * qb, b, bq, n, h), jnp.zeros((1, b, bq, n, h), out.dtype)], axis=0)
+    # virtual block -> its place in the sorted order; the padding index jq -> the zero block
+    place = jnp.zeros((jq + 1,), jnp.int32).at[order].set(jnp.arange(groups * qb, dtype=jnp.int32))
+    place = place.at[jq].set(groups * qb)
     dest = ql.dest  # [B, T]: virtual slot, jq * bq for padding (-> the zero block)
-    return out[dest // bq, jnp.arange(b)[:, None], dest % bq].astype(q.dtype)
+    return out[place[dest // bq], jnp.arange(b)[:, None], dest % bq].astype(q.dtype)
 
 
-# One query block against its gathered key blocks: q [B, bq, K, G, H], k/v [B, C, bk, K, H],
-# mask [B, bq, C, bk]. Flash attention's arithmetic (softmax statistics saved, probabilities
-# recomputed in the backward pass) costs about a third of the elementwise work that
-# differentiating a masked softmax costs, and elementwise work is what bounds this on a CPU.
-_LOGITS = "bqkgh,bctkh->bkgqct"
+# Query and key blocks per loop step: a few blocks give XLA:CPU larger ops (both cores
+# busy) while the logits of one step still fit in cache.
+_QUERY_BLOCKS_PER_STEP = 4
+_KEY_BLOCKS_PER_STEP = 4
 _NEG = float(jnp.finfo(jnp.float32).min)
+_LOGITS = "jbqkgh,jbctkh->jbkgqct"
+
+
+# A loop step: qb query blocks q [qb, B, bq, K, G, H], each against its own key blocks k, v
+# [qb, B, C, bk, K, H] under mask [qb, B, bq, C, bk]; the inner loop runs over groups of ck key
+# blocks, only as many as the step's blocks need (``chunks``). Flash attention's arithmetic:
+# an online softmax forward that keeps each query's log-sum-exp, and a backward pass that
+# recomputes the probabilities from it (no softmax to differentiate, none stored): elementwise
+# work is what bounds attention on a CPU.
+def _chunk(x, i, ck, axis):
+    return jax.lax.dynamic_slice_in_dim(x, i * ck, ck, axis=axis)
 
 
 def _logits(q, k, mask, scale):
     s = jnp.einsum(_LOGITS, q, k, preferred_element_type=jnp.float32) * scale
-    return jnp.where(mask[:, None, None], s, _NEG)  # [B, K, G, bq, C, bk]
+    return jnp.where(mask[:, :, None, None], s, _NEG)  # [qb, B, K, G, bq, ck, bk]
 
 
-def _block_forward(q, k, v, mask, scale):
-    s = _logits(q, k, mask, scale)
-    m = jnp.max(s, axis=(-2, -1), keepdims=True)
-    m = jnp.where(m > _NEG, m, 0.0)  # a query that sees nothing: every exp is 0, output 0
-    p = jnp.exp(s - m)
-    total = jnp.sum(p, axis=(-2, -1))  # [B, K, G, bq]
-    out = jnp.einsum("bkgqct,bctkh->bqkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+def _step_forward(q, k, v, mask, chunks, scale, ck):
+    qb, b, bq, kh, g, h = q.shape
+    stats = (qb, b, kh, g, bq)
+
+    def body(i, carry):
+        m, total, acc = carry
+        s = _logits(q, _chunk(k, i, ck, 2), _chunk(mask, i, ck, 3), scale)
+        m_new = jnp.maximum(m, jnp.max(s, axis=(-2, -1)))
+        shift = jnp.where(m_new > _NEG, m_new, 0.0)  # nothing seen yet: every exp is 0
+        p = jnp.exp(s - shift[..., None, None])
+        alpha = jnp.exp(m - shift)
+        total = total * alpha + jnp.sum(p, axis=(-2, -1))
+        pv = jnp.einsum(
+            "jbkgqct,jbctkh->jbqkgh", p.astype(v.dtype), _chunk(v, i, ck, 2), preferred_element_type=jnp.float32
+        )
+        acc = acc * jnp.moveaxis(alpha, 4, 2)[..., None] + pv
+        return m_new, total, acc
+
+    init = (jnp.full(stats, _NEG, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(q.shape, jnp.float32))
+    m, total, acc = jax.lax.fori_loop(0, chunks, body, init)
     seen = total > 0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
-    out = out * jnp.moveaxis(inv, 3, 1)[..., None]
-    lse = jnp.where(seen, m[..., 0, 0] + jnp.log(jnp.where(seen, total, 1.0)), jnp.inf)
+    safe = jnp.where(seen, total, 1.0)
+    out = acc * jnp.moveaxis(jnp.where(seen, 1.0 / safe, 0.0), 4, 2)[..., None]
+    lse = jnp.where(seen, jnp.where(m > _NEG, m, 0.0) + jnp.log(safe), jnp.inf)
     return out, lse
 
 
-def _block_backward(q, k, v, mask, out, lse, g, scale):
-    s = _logits(q, k, mask, scale)
-    p = jnp.exp(s - lse[..., None, None])  # masked logits and unseen queries: exactly 0
-    dv = jnp.einsum("bkgqct,bqkgh->bctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bqkgh,bctkh->bkgqct", g, v, preferred_element_type=jnp.float32)
-    delta = jnp.moveaxis(jnp.sum(g.astype(jnp.float32) * out, axis=-1), 1, 3)  # [B, K, G, bq]
-    ds = p * (dp - delta[..., None, None]) * scale
-    dq = jnp.einsum("bkgqct,bctkh->bqkgh", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bkgqct,bqkgh->bctkh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
-    return dq, dk, dv
+def _step_backward(q, k, v, mask, chunks, out, lse, g, scale, ck):
+    delta = jnp.moveaxis(jnp.sum(g.astype(jnp.float32) * out, axis=-1), 2, 4)  # [qb, B, K, G, bq]
+
+    def body(i, carry):
+        dq, dk, dv = carry
+        k_i, v_i = _chunk(k, i, ck, 2), _chunk(v, i, ck, 2)
+        s = _logits(q, k_i, _chunk(mask, i, ck, 3), scale)
+        p = jnp.exp(s - lse[..., None, None])  # masked logits and unseen queries: exactly 0
+        dv_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("jbqkgh,jbctkh->jbkgqct", g, v_i, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[..., None, None]) * scale
+        dq = dq + jnp.einsum("jbkgqct,jbctkh->jbqkgh", ds.astype(k.dtype), k_i, preferred_element_type=jnp.float32)
+        dk_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_i, i * ck, axis=2)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_i, i * ck, axis=2)
+        return dq, dk, dv
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    return jax.lax.fori_loop(0, chunks, body, init)
 
 
-# Query blocks per loop iteration: a few blocks give XLA:CPU larger ops (both cores busy)
-# while the logits of one iteration still fit in cache.
-_QUERY_BLOCKS_PER_STEP = 4
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _query_blocks(q, k, v, mask, chunks, scale: float, ck: int):
+    """Attention of every loop step's query blocks [G', qb, ...] against their own key blocks."""
+    return _query_blocks_fwd(q, k, v, mask, chunks, scale, ck)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _query_blocks(q, k, v, mask, scale: float):
-    """Attention of every query block [Jq, ...] against its own key blocks (one loop)."""
-    return _query_blocks_fwd(q, k, v, mask, scale)[0]
+def _query_blocks_fwd(q, k, v, mask, chunks, scale, ck):
+    out, lse = jax.lax.map(lambda a: _step_forward(*a, scale, ck), (q, k, v, mask, chunks))
+    return out.astype(q.dtype), (q, k, v, mask, chunks, out, lse)
 
 
-def _query_blocks_fwd(q, k, v, mask, scale):
-    out, lse = jax.lax.map(
-        lambda a: _block_forward(*a, scale), (q, k, v, mask), batch_size=min(_QUERY_BLOCKS_PER_STEP, q.shape[0])
-    )
-    return out.astype(q.dtype), (q, k, v, mask, out, lse)
-
-
-def _query_blocks_bwd(scale, residuals, g):
-    q, k, v, mask, out, lse = residuals
-    dq, dk, dv = jax.lax.map(
-        lambda a: _block_backward(*a, scale),
-        (q, k, v, mask, out, lse, g),
-        batch_size=min(_QUERY_BLOCKS_PER_STEP, q.shape[0]),
-    )
-    zero_mask = np.zeros(mask.shape, jax.dtypes.float0)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_mask
+def _query_blocks_bwd(scale, ck, residuals, g):
+    q, k, v, mask, chunks, out, lse = residuals
+    dq, dk, dv = jax.lax.map(lambda a: _step_backward(*a, scale, ck), (q, k, v, mask, chunks, out, lse, g))
+    zeros = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zeros(mask), zeros(chunks)
 
 
 _query_blocks.defvjp(_query_blocks_fwd, _query_blocks_bwd)

@@ -301,7 +301,8 @@ def collective_stats(hlo_text: str, mesh) -> CollectiveStats:
 
 
 def dot_flops(hlo_text: str) -> float:
-    """Matmul FLOPs of one execution of the program (per device), loops counted per trip."""
+    """Matmul FLOPs of one execution of the program (per device), loops counted per trip (a loop
+    whose trip count depends on the data, as block-sparse attention's inner loop, counts once)."""
     computations, entry = _parse(hlo_text)
     mult = _multipliers(computations, entry)
     total = 0.0
