@@ -137,62 +137,51 @@ def block_sparse_attention(
 
     qb = min(_QUERY_BLOCKS_PER_STEP, jq)  # query blocks per loop step
     ck = min(_KEY_BLOCKS_PER_STEP, c)  # key blocks per inner step
-    c = -(-c // ck) * ck
     groups = -(-jq // qb)
-    rows = jnp.arange(b)[None, :, None]
+    batch = jnp.arange(b)[:, None]
 
-    def by_block(x, layout, block, order=None):  # [B, T, ...] -> [J(+1), B, block, ...]
+    def by_block(x, layout, block, extra):  # [B, T, ...] -> [B, J + extra, block, ...] (extra empty blocks)
         xp = jnp.concatenate([x, jnp.zeros((b, 1, *x.shape[2:]), x.dtype)], axis=1)  # index T: a zero row
         index = layout.source.reshape(b, -1, block)
-        index = jnp.concatenate([index, jnp.full((b, 1, block), x.shape[1], index.dtype)], axis=1)  # an empty block
-        index = jnp.swapaxes(index if order is None else index[:, order], 0, 1)
-        return xp[rows, index]
+        index = jnp.concatenate([index, jnp.full((b, extra, block), x.shape[1], index.dtype)], axis=1)
+        return xp[batch[..., None], index]
 
-    kv_layout = lambda x: jnp.swapaxes(by_block(x, kl, bk)[:-1], 0, 1)  # noqa: E731  [B, Jk, bk, ...]
-    kv_seg_v, kv_blk_v = kv_layout(jnp.asarray(kv_segment_ids, jnp.int32)), kv_layout(kv_blk)
+    # Keys/values and their ids in the virtual layout, ck empty blocks appended so that a
+    # chunk starting in the last blocks never runs past the end.
+    kv_seg_v = by_block(jnp.asarray(kv_segment_ids, jnp.int32), kl, bk, ck)  # [B, Jk + ck, bk]
+    kv_blk_v = by_block(kv_blk, kl, bk, ck)
+    k_v, v_v = by_block(k, kl, bk, ck), by_block(v, kl, bk, ck)  # [B, Jk + ck, bk, K, H]
+    q_seg_v = by_block(jnp.asarray(q_segment_ids, jnp.int32), ql, bq, 1)  # [B, Jq + 1, bq]; 0 = empty
+    q_blk_v = by_block(q_blk, ql, bq, 1)
 
-    # Key blocks of each query block (the last one empty): its segment's run on the key side.
+    # Each query block's key blocks (the last query block is empty): its segment's run, up to
+    # the last block holding a key it can see (a causal block's: those up to itself).
     seg_j = jnp.concatenate([ql.block_segment, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, Jq + 1]
     match = (kl.run_segment[:, None, :] == seg_j[:, :, None]) & (seg_j[:, :, None] != 0)  # [B, Jq + 1, R]
     kv_run = jnp.argmax(match, axis=-1)
     first = jnp.take_along_axis(kl.run_first_block, kv_run, axis=1)
     count = jnp.where(match.any(-1), jnp.take_along_axis(kl.run_blocks, kv_run, axis=1), 0)
+    big = jnp.iinfo(jnp.int32).max
+    lowest_key = jnp.min(jnp.where(kv_seg_v != 0, kv_blk_v, big), axis=-1)  # [B, Jk + ck]
+    highest_query = jnp.max(jnp.where(q_seg_v != 0, q_blk_v, -1), axis=-1)  # [B, Jq + 1]
     step = jnp.arange(c, dtype=jnp.int32)
-    kv_index = jnp.minimum(first[..., None] + step, jk - 1)  # [B, Jq + 1, C]
-    kv_valid = step[None, None, :] < count[..., None]
+    candidate = jnp.take_along_axis(lowest_key, jnp.minimum(first[..., None] + step, jk - 1).reshape(b, -1), axis=1)
+    sees = (candidate.reshape(b, jq + 1, c) <= highest_query[..., None]) & (step < count[..., None])
+    need = jnp.max(jnp.where(sees, step + 1, 0), axis=(0, 2))[:jq]  # [Jq]: over the batch's rows
 
-    def take_blocks(x, order=slice(None)):  # [B, Jk, ...] -> [J, B, C, ...]
-        return jnp.swapaxes(x[jnp.arange(b)[:, None, None], kv_index[:, order]], 0, 1)
-
-    def visible(order=slice(None)):  # [J, B, bq, C, bk]
-        q_seg_v = by_block(jnp.asarray(q_segment_ids, jnp.int32), ql, bq)[order]  # 0 in empty slots
-        q_blk_v = by_block(q_blk, ql, bq)[order]
-        kb_seg, kb_blk = take_blocks(kv_seg_v, order), take_blocks(kv_blk_v, order)
-        return (
-            (q_seg_v[..., None, None] == kb_seg[:, :, None])
-            & (kb_seg[:, :, None] != 0)
-            & (kb_blk[:, :, None] <= q_blk_v[..., None, None])
-            & jnp.swapaxes(kv_valid[:, order], 0, 1)[:, :, None, :, None]
-        )
-
-    # The key blocks a query block really needs (up to its last visible one: a causal query
-    # block needs only those up to itself). Query blocks are processed longest first, so the
-    # blocks of one loop step need about equally many and the loop stops at what they need.
-    seen = visible().any(axis=(1, 2, 4))  # [Jq + 1, C]
-    need = jnp.max(jnp.where(seen, step + 1, 0), axis=1)[:jq]
+    # Neediest query blocks first; a loop step's chunk count is what its first block needs.
     order = jnp.argsort(-need, stable=True).astype(jnp.int32)
     order = jnp.concatenate([order, jnp.full((groups * qb - jq,), jq, jnp.int32)])  # pad with the empty block
     need_sorted = jnp.concatenate([need, jnp.zeros((1,), need.dtype)])[order]
-    chunks = (need_sorted.reshape(groups, qb)[:, 0] + ck - 1) // ck  # [groups]: sorted, the first needs most
+    chunks = (need_sorted.reshape(groups, qb)[:, 0] + ck - 1) // ck  # [groups]
 
-    def grouped(x):
+    def grouped(x):  # [B, Jq + 1, ...] -> [groups, qb, B, ...] in sorted order
+        x = jnp.swapaxes(x[:, order], 0, 1)
         return x.reshape(groups, qb, *x.shape[1:])
 
-    qg = grouped(by_block(q, ql, bq, order).reshape(groups * qb, b, bq, kv_heads, g, h))
-    kvv = kv_layout(k), kv_layout(v)
-    kb, vb = grouped(take_blocks(kvv[0], order)), grouped(take_blocks(kvv[1], order))  # [G', qb, B, C, bk, K, H]
-    mask = grouped(visible(order))  # [G', qb, B, bq, C, bk]
-    out = _query_blocks(qg, kb, vb, mask, chunks, float(scale), ck)  # [G', qb, B, bq, K, G, H]
+    qv = by_block(q, ql, bq, 1).reshape(b, jq + 1, bq, kv_heads, g, h)
+    query = (grouped(qv), grouped(q_seg_v), grouped(q_blk_v), grouped(first), grouped(count), chunks)
+    out = _attend(query, (k_v, v_v, kv_seg_v, kv_blk_v), float(scale), ck)  # [groups, qb, B, bq, K, G, H]
     out = jnp.concatenate([out.reshape(groups * qb, b, bq, n, h), jnp.zeros((1, b, bq, n, h), out.dtype)], axis=0)
     # virtual block -> its place in the sorted order; the padding index jq -> the zero block
     place = jnp.zeros((jq + 1,), jnp.int32).at[order].set(jnp.arange(groups * qb, dtype=jnp.int32))
@@ -209,14 +198,30 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 _LOGITS = "jbqkgh,jbctkh->jbkgqct"
 
 
-# A loop step: qb query blocks q [qb, B, bq, K, G, H], each against its own key blocks k, v
-# [qb, B, C, bk, K, H] under mask [qb, B, bq, C, bk]; the inner loop runs over groups of ck key
-# blocks, only as many as the step's blocks need (``chunks``). Flash attention's arithmetic:
-# an online softmax forward that keeps each query's log-sum-exp, and a backward pass that
-# recomputes the probabilities from it (no softmax to differentiate, none stored): elementwise
-# work is what bounds attention on a CPU.
-def _chunk(x, i, ck, axis):
-    return jax.lax.dynamic_slice_in_dim(x, i * ck, ck, axis=axis)
+# A loop step: qb query blocks q [qb, B, bq, K, G, H] (ids [qb, B, bq]), each against its own
+# key run (``first``, ``count`` [qb, B] blocks of the virtual key layout), ck key blocks per
+# inner step, as many steps as ``chunks``. Flash attention's arithmetic: an online softmax
+# forward that keeps each query's log-sum-exp, and a backward pass that recomputes the
+# probabilities from it (no softmax to differentiate, none stored): elementwise work is
+# what bounds attention on a CPU. Key chunks are gathered from the layout inside the loop,
+# so no [query block x key block] copy of the keys exists.
+def _key_chunk(keys, first, count, i, ck):
+    """Chunk i of every query block's key run: (index [qb, B, ck], k, v, mask inputs)."""
+    k_v, v_v, seg_v, blk_v = keys
+    offset = i * ck + jnp.arange(ck, dtype=jnp.int32)
+    index = first[..., None] + offset  # [qb, B, ck]
+    rows = jnp.arange(first.shape[1])[None, :, None]
+    valid = offset < count[..., None]
+    return index, k_v[rows, index], v_v[rows, index], seg_v[rows, index], blk_v[rows, index], valid
+
+
+def _mask(q_seg, q_blk, k_seg, k_blk, valid):  # [qb, B, bq, ck, bk]
+    return (
+        (q_seg[..., None, None] == k_seg[:, :, None])
+        & (k_seg[:, :, None] != 0)
+        & (k_blk[:, :, None] <= q_blk[..., None, None])
+        & valid[:, :, None, :, None]
+    )
 
 
 def _logits(q, k, mask, scale):
@@ -224,21 +229,21 @@ def _logits(q, k, mask, scale):
     return jnp.where(mask[:, :, None, None], s, _NEG)  # [qb, B, K, G, bq, ck, bk]
 
 
-def _step_forward(q, k, v, mask, chunks, scale, ck):
+def _step_forward(query, keys, scale, ck):
+    q, q_seg, q_blk, first, count, chunks = query
     qb, b, bq, kh, g, h = q.shape
     stats = (qb, b, kh, g, bq)
 
     def body(i, carry):
         m, total, acc = carry
-        s = _logits(q, _chunk(k, i, ck, 2), _chunk(mask, i, ck, 3), scale)
+        _, k_i, v_i, k_seg, k_blk, valid = _key_chunk(keys, first, count, i, ck)
+        s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid), scale)
         m_new = jnp.maximum(m, jnp.max(s, axis=(-2, -1)))
         shift = jnp.where(m_new > _NEG, m_new, 0.0)  # nothing seen yet: every exp is 0
         p = jnp.exp(s - shift[..., None, None])
         alpha = jnp.exp(m - shift)
         total = total * alpha + jnp.sum(p, axis=(-2, -1))
-        pv = jnp.einsum(
-            "jbkgqct,jbctkh->jbqkgh", p.astype(v.dtype), _chunk(v, i, ck, 2), preferred_element_type=jnp.float32
-        )
+        pv = jnp.einsum("jbkgqct,jbctkh->jbqkgh", p.astype(v_i.dtype), v_i, preferred_element_type=jnp.float32)
         acc = acc * jnp.moveaxis(alpha, 4, 2)[..., None] + pv
         return m_new, total, acc
 
@@ -251,43 +256,48 @@ def _step_forward(q, k, v, mask, chunks, scale, ck):
     return out, lse
 
 
-def _step_backward(q, k, v, mask, chunks, out, lse, g, scale, ck):
-    delta = jnp.moveaxis(jnp.sum(g.astype(jnp.float32) * out, axis=-1), 2, 4)  # [qb, B, K, G, bq]
-
-    def body(i, carry):
-        dq, dk, dv = carry
-        k_i, v_i = _chunk(k, i, ck, 2), _chunk(v, i, ck, 2)
-        s = _logits(q, k_i, _chunk(mask, i, ck, 3), scale)
-        p = jnp.exp(s - lse[..., None, None])  # masked logits and unseen queries: exactly 0
-        dv_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("jbqkgh,jbctkh->jbkgqct", g, v_i, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[..., None, None]) * scale
-        dq = dq + jnp.einsum("jbkgqct,jbctkh->jbqkgh", ds.astype(k.dtype), k_i, preferred_element_type=jnp.float32)
-        dk_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
-        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_i, i * ck, axis=2)
-        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_i, i * ck, axis=2)
-        return dq, dk, dv
-
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    return jax.lax.fori_loop(0, chunks, body, init)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _attend(query, keys, scale: float, ck: int):
+    """Every loop step's query blocks [groups, qb, ...] against their key runs."""
+    return _attend_fwd(query, keys, scale, ck)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _query_blocks(q, k, v, mask, chunks, scale: float, ck: int):
-    """Attention of every loop step's query blocks [G', qb, ...] against their own key blocks."""
-    return _query_blocks_fwd(q, k, v, mask, chunks, scale, ck)[0]
+def _attend_fwd(query, keys, scale, ck):
+    out, lse = jax.lax.map(lambda a: _step_forward(a, keys, scale, ck), query)
+    return out.astype(query[0].dtype), (query, keys, out, lse)
 
 
-def _query_blocks_fwd(q, k, v, mask, chunks, scale, ck):
-    out, lse = jax.lax.map(lambda a: _step_forward(*a, scale, ck), (q, k, v, mask, chunks))
-    return out.astype(q.dtype), (q, k, v, mask, chunks, out, lse)
+def _attend_bwd(scale, ck, residuals, g_out):
+    query, keys, out, lse = residuals
+    k_v, v_v = keys[0], keys[1]
+    rows = jnp.arange(k_v.shape[0])[None, :, None]
+
+    def step(carry, xs):  # one loop step's query blocks; dk, dv of the whole layout carried
+        (q, q_seg, q_blk, first, count, chunks), out_j, lse_j, g = xs
+        delta = jnp.moveaxis(jnp.sum(g.astype(jnp.float32) * out_j, axis=-1), 2, 4)  # [qb, B, K, G, bq]
+
+        def body(i, inner):
+            dq, dk, dv = inner
+            index, k_i, v_i, k_seg, k_blk, valid = _key_chunk(keys, first, count, i, ck)
+            s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid), scale)
+            p = jnp.exp(s - lse_j[..., None, None])  # masked logits and unseen queries: exactly 0
+            dv_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("jbqkgh,jbctkh->jbkgqct", g, v_i, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta[..., None, None]) * scale
+            dq = dq + jnp.einsum(
+                "jbkgqct,jbctkh->jbqkgh", ds.astype(k_i.dtype), k_i, preferred_element_type=jnp.float32
+            )
+            dk_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            return dq, dk.at[rows, index].add(dk_i), dv.at[rows, index].add(dv_i)
+
+        dq, dk, dv = jax.lax.fori_loop(0, chunks, body, (jnp.zeros(q.shape, jnp.float32), *carry))
+        return (dk, dv), dq
+
+    zero = (jnp.zeros(k_v.shape, jnp.float32), jnp.zeros(v_v.shape, jnp.float32))
+    (dk, dv), dq = jax.lax.scan(step, zero, (query, out, lse, g_out))
+    float0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    d_query = (dq.astype(query[0].dtype), *(float0(x) for x in query[1:]))
+    return d_query, (dk.astype(k_v.dtype), dv.astype(v_v.dtype), float0(keys[2]), float0(keys[3]))
 
 
-def _query_blocks_bwd(scale, ck, residuals, g):
-    q, k, v, mask, chunks, out, lse = residuals
-    dq, dk, dv = jax.lax.map(lambda a: _step_backward(*a, scale, ck), (q, k, v, mask, chunks, out, lse, g))
-    zeros = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zeros(mask), zeros(chunks)
-
-
-_query_blocks.defvjp(_query_blocks_fwd, _query_blocks_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)
