@@ -17,9 +17,10 @@ transpose).
 
 Compute. The query blocks are sorted by how many key blocks they need (up to the last one
 holding a visible key: a causal query block needs those up to itself, a short sample's
-only its own few), longest first. A ``lax.map`` takes four query blocks per step; inside
-it a loop with a data-dependent trip count takes four key blocks at a time, as many as
-the step's first (neediest) block needs, with an online softmax. The loop has its own VJP
+only its own few), longest first. Loop steps take four query blocks each (dealt to two
+independent loops that run side by side); inside a step a loop with a data-dependent trip
+count takes four key blocks at a time, as many as its first (neediest) block needs, with
+an online softmax. The loop has its own VJP
 with flash attention's arithmetic: the forward pass keeps each query's log-sum-exp, the
 backward pass recomputes the probabilities from it (no softmax to differentiate, none
 stored). The outputs are gathered back to the original token order (zeros where a query
@@ -137,7 +138,7 @@ def block_sparse_attention(
 
     qb = min(_QUERY_BLOCKS_PER_STEP, jq)  # query blocks per loop step
     ck = min(_KEY_BLOCKS_PER_STEP, c)  # key blocks per inner step
-    groups = -(-jq // qb)
+    groups = -(-jq // (qb * _PARALLEL_LOOPS)) * _PARALLEL_LOOPS
     batch = jnp.arange(b)[:, None]
 
     def by_block(x, layout, block, extra):  # [B, T, ...] -> [B, J + extra, block, ...] (extra empty blocks)
@@ -194,6 +195,9 @@ def block_sparse_attention(
 # busy) while the logits of one step still fit in cache.
 _QUERY_BLOCKS_PER_STEP = 4
 _KEY_BLOCKS_PER_STEP = 4
+# Loop steps are dealt round-robin to this many independent loops, which XLA:CPU runs side by
+# side (a loop's small ops alone leave a core idle).
+_PARALLEL_LOOPS = 2
 _NEG = float(jnp.finfo(jnp.float32).min)
 _LOGITS = "jbqkgh,jbctkh->jbkgqct"
 
@@ -262,8 +266,17 @@ def _attend(query, keys, scale: float, ck: int):
     return _attend_fwd(query, keys, scale, ck)[0]
 
 
+def _deal(tree, i):  # loop i's steps: i, i + P, i + 2P, ...
+    return jax.tree.map(lambda x: x[i::_PARALLEL_LOOPS], tree)
+
+
+def _gather_back(parts):  # [groups / P, ...] per loop -> [groups, ...] in step order
+    return jnp.stack(parts, axis=1).reshape(-1, *parts[0].shape[1:])
+
+
 def _attend_fwd(query, keys, scale, ck):
-    out, lse = jax.lax.map(lambda a: _step_forward(a, keys, scale, ck), query)
+    parts = [jax.lax.map(lambda a: _step_forward(a, keys, scale, ck), _deal(query, i)) for i in range(_PARALLEL_LOOPS)]
+    out, lse = _gather_back([p[0] for p in parts]), _gather_back([p[1] for p in parts])
     return out.astype(query[0].dtype), (query, keys, out, lse)
 
 
@@ -294,7 +307,9 @@ def _attend_bwd(scale, ck, residuals, g_out):
         return (dk, dv), dq
 
     zero = (jnp.zeros(k_v.shape, jnp.float32), jnp.zeros(v_v.shape, jnp.float32))
-    (dk, dv), dq = jax.lax.scan(step, zero, (query, out, lse, g_out))
+    parts = [jax.lax.scan(step, zero, _deal((query, out, lse, g_out), i)) for i in range(_PARALLEL_LOOPS)]
+    dk, dv = sum(p[0][0] for p in parts), sum(p[0][1] for p in parts)
+    dq = _gather_back([p[1] for p in parts])
     float0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
     d_query = (dq.astype(query[0].dtype), *(float0(x) for x in query[1:]))
     return d_query, (dk.astype(k_v.dtype), dv.astype(v_v.dtype), float0(keys[2]), float0(keys[3]))
