@@ -11,30 +11,28 @@ cached prefix followed by its suffix, becomes one run) and every segment starts 
 block boundary; padding tokens are dropped. Static sizes come from ``SegmentBounds``
 (what the packing config guarantees): with at most R segments per row the virtual row
 needs ``min(T, (T + R (b - 1)) // b)`` blocks, and a query block needs at most
-``ceil(max_kv_len / b)`` key blocks, those of its own segment. Query block j gathers its
-segment's key blocks [J, B, C, b, ...] (block-major, so the loop slices without a
-transpose).
+``ceil(max_kv_len / b)`` key blocks, those of its own segment's run.
 
 Compute. The query blocks are sorted by how many key blocks they need (up to the last one
 holding a visible key: a causal query block needs those up to itself, a short sample's
-only its own few), longest first. Loop steps take four query blocks each (dealt to two
-independent loops that run side by side); inside a step a loop with a data-dependent trip
-count takes four key blocks at a time, as many as its first (neediest) block needs, with
-an online softmax. The loop has its own VJP
-with flash attention's arithmetic: the forward pass keeps each query's log-sum-exp, the
-backward pass recomputes the probabilities from it (no softmax to differentiate, none
-stored). The outputs are gathered back to the original token order (zeros where a query
-sees no key).
+only its own few), neediest first; a batch's rows share the order (the neediest of their
+blocks at each index). Loop steps take four query blocks each, dealt to two independent
+loops that run side by side; inside a step a loop with a data-dependent trip count gathers
+four key blocks at a time from the keys' virtual layout, as many as the step's first
+(neediest) block needs, with an online softmax. The loops have their own VJP with flash
+attention's arithmetic: the forward pass keeps each query's log-sum-exp, the backward
+pass recomputes the probabilities from it (no softmax to differentiate, none stored) and
+scatter-adds key and value gradients into the layout. The outputs are gathered back to
+the original token order (zeros where a query sees no key).
 
 Cost: the visible block pairs, rounded up to groups of four key blocks and to the
 neediest of four sorted query blocks (about the real query-key pairs of the row's
 samples, half of them for causal attention), against B x L^2 for the same samples padded
-to L. Memory is static: the gathered key blocks are sized by ``max_kv_len``.
+to L. Memory: the virtual layouts (O(T)) and one loop step's logits.
 
-Everything is gathers, einsums and exponentials: XLA compiles it on CPU and GPU, and JAX
-differentiates the gathers (scatter-adds into the gathered blocks). The bounds must
-hold: a row with more segments than ``max_segments`` or a segment longer than its bound
-loses keys silently (the packer and the model configs guarantee them).
+Everything is gathers, einsums and exponentials, so XLA compiles it on CPU and GPU. The
+bounds must hold: a row with more segments than ``max_segments`` or a segment longer than
+its bound loses keys silently (the packer and the model configs guarantee them).
 """
 
 from __future__ import annotations
