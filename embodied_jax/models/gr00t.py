@@ -1,4 +1,5 @@
-"""GR00T-N1.5 policy: config, flow-matching loss and sampling, VL masking/packing, freezing.
+"""GR00T-N1.5 policy: config, flow-matching loss and sampling, freezing (the attention layout of
+unpacked and packed batches: ``gr00t_layout.py``).
 
 ``Gr00tPolicy`` = ``backbone`` (Eagle 2.5: SigLIP + ``mlp1`` + truncated Qwen3) and
 ``action_head`` (VL LayerNorm + adapter, embodiment-specific encoders/decoder, DiT).
@@ -46,16 +47,14 @@ from embodied_jax.config_registry import register
 from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.eagle import EagleBackbone, EagleConfig
 from embodied_jax.models.gr00t_action_head import ActionHeadConfig, Gr00tActionHead
+from embodied_jax.models.gr00t_layout import vl_layout
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn import rtc
-from embodied_jax.nn.attention import mask_positions
-from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.nn.traced import module_fori_loop
 from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
-PACKED_KEYS = ("segment_ids", "positions", "images", "image_segment_ids", "sample_mask")
 PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
 
 # Eagle 2.5's towers as GR00T-N1.5 ships them (reference README: Eagle25VLConfig)
@@ -400,73 +399,6 @@ class Gr00tPolicy(nnx.Module):
         )
 
     # ----- VL side
-    def _vl_layout(self, obs):
-        """Segment ids and positions for the LLM, the adapter and the DiT cross-attention."""
-        tokens = jnp.asarray(obs["tokens"], jnp.int32)
-        if "segment_ids" in obs:
-            return self._packed_layout(obs, tokens)
-        mask = jnp.asarray(obs["token_mask"], bool)
-        b, length = tokens.shape
-        seg = mask.astype(jnp.int32)
-        ones = jnp.ones((b, length), jnp.int32)
-        base = dict(tokens=tokens, context_gather=None, bounds=None)
-        if self.config.mask_vl_padding:
-            positions = mask_positions(seg)
-            return dict(
-                base,
-                positions=positions,
-                llm_q=seg,
-                llm_kv=seg,
-                causal=True,
-                adapter=seg,
-                dit_q=jnp.ones((b,), jnp.int32),
-                dit_kv=seg,
-            )
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))  # HF: cache positions
-        return dict(
-            base,
-            positions=positions,
-            llm_q=ones,
-            llm_kv=seg,
-            causal=False,
-            adapter=ones,
-            dit_q=jnp.ones((b,), jnp.int32),
-            dit_kv=ones,
-        )
-
-    def _packed_layout(self, obs, tokens):
-        if not self.config.mask_vl_padding:
-            raise ValueError("packed GR00T batches (segment_ids) need Gr00tConfig.mask_vl_padding=True")
-        missing = [k for k in PACKED_KEYS if k not in obs]
-        if missing:
-            raise KeyError(f"packed GR00T batch lacks {missing} (needs all of {PACKED_KEYS})")
-        seg = jnp.asarray(obs["segment_ids"], jnp.int32)
-        present = jnp.asarray(obs["sample_mask"], bool)
-        r, length = seg.shape
-        m = present.shape[1]
-        ids = jnp.arange(1, m + 1, dtype=jnp.int32)
-        # Sample slot (row, m) cross-attends the window of its segment: it starts where segment m does.
-        member = seg[:, None, :] == ids[None, :, None]  # [R, M, L]
-        start = jnp.argmax(member, axis=-1).reshape(-1)
-        window = min(length, self.config.max_token_len)
-        index = jnp.minimum(start[:, None], length - window) + jnp.arange(window, dtype=jnp.int32)
-        rows = jnp.repeat(jnp.arange(r, dtype=jnp.int32), m)
-        dit_q = jnp.where(present, ids[None], 0).reshape(-1)
-        longest = self.config.max_token_len
-        bounds = SegmentBounds(max_segments=m, max_q_len=longest, max_kv_len=longest)
-        return dict(
-            tokens=tokens,
-            positions=jnp.asarray(obs["positions"], jnp.int32),
-            llm_q=seg,
-            llm_kv=seg,
-            causal=True,
-            adapter=seg,
-            dit_q=dit_q,
-            dit_kv=seg[rows[:, None], index],
-            context_gather=(rows, index),
-            bounds=bounds,
-        )
-
     def _images(self, obs):
         """[R, k, H, W, 3]: a packed row's image slots, or an unpacked sample's cameras."""
         images = obs["images"]
@@ -480,7 +412,7 @@ class Gr00tPolicy(nnx.Module):
 
     def vl_features(self, obs, key=None):
         """Adapter output [R, S, D] and the per-sample attention layout for the DiT."""
-        layout = self._vl_layout(obs)
+        layout = vl_layout(self.config, obs)
         features = self.backbone(
             self._images(obs),
             layout["tokens"],
