@@ -26,30 +26,22 @@ def vl_layout(config, obs) -> dict:
     mask = jnp.asarray(obs["token_mask"], bool)
     b, length = tokens.shape
     seg = mask.astype(jnp.int32)
-    ones = jnp.ones((b, length), jnp.int32)
-    base = dict(tokens=tokens, context_gather=None, bounds=None)
     if config.mask_vl_padding:
-        positions = mask_positions(seg)
-        return dict(
-            base,
-            positions=positions,
-            llm_q=seg,
-            llm_kv=seg,
-            causal=True,
-            adapter=seg,
-            dit_q=jnp.ones((b,), jnp.int32),
-            dit_kv=seg,
-        )
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))  # HF: cache positions
+        positions, llm_q, causal, visible = mask_positions(seg), seg, True, seg
+    else:  # upstream: HF cache positions; padded queries, the adapter and the DiT see padding too
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+        llm_q, causal, visible = jnp.ones((b, length), jnp.int32), False, jnp.ones((b, length), jnp.int32)
     return dict(
-        base,
+        tokens=tokens,
+        context_gather=None,
+        bounds=None,
         positions=positions,
-        llm_q=ones,
+        llm_q=llm_q,
         llm_kv=seg,
-        causal=False,
-        adapter=ones,
+        causal=causal,
+        adapter=visible,
         dit_q=jnp.ones((b,), jnp.int32),
-        dit_kv=ones,
+        dit_kv=visible,
     )
 
 
