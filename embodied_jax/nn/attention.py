@@ -9,9 +9,10 @@ returns zeros, never NaN. ``attention_mask`` is the only place a dense mask is b
 
 Backends (``impl``):
 
-- ``"xla"``: the reference. Dense [B, 1, T, S] mask, logits and softmax in float32,
-  masking with ``jnp.where``; grouped-query heads are computed by reshaping queries to
-  [B, T, K, G, H] so K/V are never repeated. Runs everywhere.
+- ``"xla"``: the reference. Dense [B, 1, T, S] mask as an additive bias, logits and
+  softmax in float32; grouped-query heads are computed by folding each KV head's query
+  group into the query axis ([B, K, G·T, H]) so K/V are never repeated; its own VJP
+  keeps the probabilities and applies softmax's backward in closed form. Runs everywhere.
 - ``"blocksparse"``: portable (XLA) attention over packed rows that computes only query
   block x key block pairs of the same segment (``nn/block_sparse.py``); needs the static
   ``bounds`` (``SegmentBounds``: segments per row, longest segment) the packing config
@@ -51,6 +52,7 @@ policies (``attention_q``, ``attention_k``, ``attention_v``, ``attention_out``; 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Literal
 
@@ -151,18 +153,69 @@ def _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_
 
 
 def xla_attention(q, k, v, mask, scale):
-    """Reference dense-mask attention; mask bool [B, 1, T, S]; GQA without repeating K/V."""
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    logits = logits.astype(jnp.float32) * jnp.float32(scale)
-    mask5 = mask[:, :, None, :, :]  # [B, 1, 1, T, S]
-    logits = jnp.where(mask5, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    probs = jnp.where(mask5, probs, 0.0)  # rows without any visible key become zeros
-    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    """Reference dense-mask attention; mask bool [B, 1, T, S]; GQA without repeating K/V.
+
+    Queries go heads-major with each KV head's query group folded into the query axis, so
+    the logits are one [G·T, S] matrix per (row, KV head): plain batched matmuls, no
+    transposed copy of the logits. The mask enters as one additive bias of float32's lowest
+    value, so a hidden key's probability underflows to exactly 0; a query with no visible
+    key gets zeros from a [B, T] select on the output. Logits, softmax and the backward
+    pass run in float32 under ``_dense_attention``'s VJP."""
+    bias = jnp.where(mask[:, 0], 0.0, jnp.finfo(jnp.float32).min)  # [B, T, S]
+    out = _dense_attention(q, k, v, bias, float(scale))
+    has_key = mask[:, 0].any(-1)[:, :, None, None]  # [B, T, 1, 1]
+    return jnp.where(has_key, out, 0.0).astype(q.dtype)
+
+
+def _heads_major(x, kv_heads: int):
+    """[B, T, N, H] -> [B, K, G·T, H]: the G query heads of each KV head stacked along the query axis."""
+    b, t, n, h = x.shape
+    return x.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, h)
+
+
+def _tokens_major(x, length: int):
+    """The inverse of ``_heads_major``: [B, K, G·T, H] -> [B, T, N, H]."""
+    b, kv_heads, m, h = x.shape
+    return x.reshape(b, kv_heads, m // length, length, h).transpose(0, 3, 1, 2, 4).reshape(b, length, -1, h)
+
+
+def _dense_probs(qh, k, bias, scale):
+    """Softmax probabilities float32 [B, K, G·T, S] of heads-major queries against keys [B, S, K, H]."""
+    b, kv_heads, m, _ = qh.shape
+    t = bias.shape[1]
+    logits = jnp.einsum("bkmh,bskh->bkms", qh, k, preferred_element_type=jnp.float32).astype(jnp.float32)
+    logits = logits.reshape(b, kv_heads, m // t, t, -1) * jnp.float32(scale) + bias[:, None, None]
+    return jax.nn.softmax(logits, axis=-1).reshape(b, kv_heads, m, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dense_attention(q, k, v, bias, scale):
+    return _dense_attention_fwd(q, k, v, bias, scale)[0]
+
+
+def _dense_attention_fwd(q, k, v, bias, scale):
+    qh = _heads_major(q, k.shape[2])
+    probs = _dense_probs(qh, k, bias, scale)
+    out = jnp.einsum("bkms,bskh->bkmh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _tokens_major(out, q.shape[1]), (qh, k, v, bias, probs, out)
+
+
+def _dense_attention_bwd(scale, residuals, d_out):
+    # softmax's backward in closed form on the kept probabilities: one elementwise pass
+    # dS = P (dP - rowsum(dO O)), where autodiff differentiates the max, exp, sum and divide
+    qh, k, v, bias, probs, out = residuals
+    d_out = _heads_major(d_out.astype(jnp.float32), k.shape[2])
+    f32 = dict(preferred_element_type=jnp.float32)
+    dv = jnp.einsum("bkms,bkmh->bskh", probs, d_out, **f32)
+    dp = jnp.einsum("bkmh,bskh->bkms", d_out, v.astype(jnp.float32), **f32)
+    ds = probs * (dp - jnp.sum(d_out * out, axis=-1, keepdims=True)) * jnp.float32(scale)
+    dq = jnp.einsum("bkms,bskh->bkmh", ds, k.astype(jnp.float32), **f32)
+    dk = jnp.einsum("bkms,bkmh->bskh", ds, qh.astype(jnp.float32), **f32)
+    dq = _tokens_major(dq, bias.shape[1])
+    return dq.astype(qh.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias)
+
+
+_dense_attention.defvjp(_dense_attention_fwd, _dense_attention_bwd)
 
 
 def _on_gpu() -> bool:

@@ -1,8 +1,8 @@
 """The jitted train step: gradient accumulation, non-finite skipping, FP8 state, EMA.
 
 A step whose loss or gradient is not finite leaves parameters, optimizer, FP8 and EMA
-state untouched and increments the skip counters; the decision is a ``jnp.where``
-inside the compiled step, so the host never waits on it.
+state untouched and increments the skip counters; the decision is a ``lax.cond`` inside
+the compiled step (the update runs only when finite), so the host never waits on it.
 """
 
 from __future__ import annotations
@@ -81,24 +81,30 @@ def make_train_step(
 
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        ema = state.ema
-        if ema is not None:
-            decay = config.ema_decay
-            ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
 
-        def keep_if_finite(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        def apply_update(fp8, other):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            ema = state.ema
+            if ema is not None:
+                decay = config.ema_decay
+                ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
+            return params, opt_state, fp8, other, ema
 
+        def keep_state(fp8, other):
+            return state.params, state.opt_state, state.fp8, state.other, state.ema
+
+        # a branch, not a select per leaf: a select keeps the old optimizer moments alive next
+        # to the new ones, so XLA copies every moment before updating it in place
+        params, opt_state, fp8, other, ema = jax.lax.cond(finite, apply_update, keep_state, fp8, other)
         skips = jnp.where(finite, 0, state.skips + 1)
         new_state = state.replace(
             step=state.step + 1,
-            params=keep_if_finite(params, state.params),
-            fp8=keep_if_finite(fp8, state.fp8),
-            other=keep_if_finite(other, state.other),
-            opt_state=keep_if_finite(opt_state, state.opt_state),
-            ema=keep_if_finite(ema, state.ema) if ema is not None else None,
+            params=params,
+            fp8=fp8,
+            other=other,
+            opt_state=opt_state,
+            ema=ema,
             skips=skips,
             total_skips=state.total_skips + (~finite).astype(jnp.int32),
         )
