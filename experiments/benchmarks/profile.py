@@ -5,7 +5,8 @@ Perfetto trace under ``out_dir``), then sums the device-side durations of the HL
 name and by kind (the name up to its first ``.``: ``ynn_fusion`` = XLA:CPU matmul fusions,
 ``copy_*`` = transposing copies, ...). Durations of ops that run concurrently overlap, so
 shares are of summed op time, not of wall time. ``describe(hlo_text, name)`` gives an op's
-shape and the JAX operation it came from.
+shape and the JAX operation it came from; ``report`` leaves the step's HLO beside the trace
+(``hlo.txt``).
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ def describe(hlo_text: str, name: str) -> str:
 def report(label: str, run, compiled, out_dir, top: int = 12) -> dict:
     """Print the kinds and the ``top`` ops of one traced step; return both as plain dicts."""
     per_op, per_kind = profile_step(run, out_dir)
+    text = compiled.as_text()
+    (pathlib.Path(out_dir) / "hlo.txt").write_text(text)  # names in the trace -> shapes, JAX ops
     total = sum(per_kind.values()) or 1.0
     print(f"profile {label}: {total:.0f} ms of op time")
     for kind, ms in per_kind.most_common(8):
         print(f"  {ms:8.1f} ms {ms / total:6.1%}  {kind}")
-    text = compiled.as_text()
     for name, ms in per_op.most_common(top):
         print(f"  {ms:8.1f} ms  {name}  {describe(text, name)}")
     return {"kinds_ms": dict(per_kind.most_common(8)), "top_ms": dict(per_op.most_common(top))}
