@@ -245,6 +245,7 @@ def test_the_demo_does_not_collect_over_a_directory_that_is_not_a_dataset(tmp_pa
         ("embodied_jax.data.convert", ["{missing}", "{out}"], "no_such_dataset"),
         ("embodied_jax.sim.collect", ["reach", "--episodes", "0", "--out", "{out}"], "episodes must be >= 1"),
         ("experiments.benchmarks.train_step", ["toy", "--mesh.fsdp", "64"], "64"),
+        ("experiments.benchmarks.compare_steps", ["toy", "--variant", ""], "at least two --variant"),
     ],
 )
 def test_clis_print_one_line_unless_verbose(tmp_path, capsys, module, argv, names):

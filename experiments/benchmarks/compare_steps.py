@@ -1,0 +1,80 @@
+"""``python -m experiments.benchmarks.compare_steps NAME --variant "ARGS" [--variant "ARGS" ...]``
+
+Times train steps of configuration variants of one experiment against each other in one
+process: each variant (the experiment's overrides, e.g. ``--variant "" --variant
+"--model.no-scan-layers"``) is built and compiled as the launcher would, then one step of each
+runs in turn for ``--rounds`` rounds after a warm-up round. A change of this machine's speed,
+which moves single runs by ±20% on a shared 2-core CPU, then hits every variant alike.
+
+Prints per variant the median and first quartile of the step's seconds and of the process's
+CPU seconds, the ratio of each median to the first variant's, and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+
+import jax
+
+from embodied_jax.cli import run_main
+from embodied_jax.errors import InputError
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment")
+    parser.add_argument("--variant", action="append", default=[], help="overrides of one variant ('' for none)")
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args(argv)
+    if len(args.variant) < 2:
+        raise InputError("compare_steps: give at least two --variant (use --variant '' for the experiment as is)")
+
+    from embodied_jax.parallel.sharding import global_batch
+    from embodied_jax.train.loop import build, initial_state
+    from experiments.launch import parse
+
+    runs = []
+    for variant in args.variant:
+        config = parse([args.experiment, *shlex.split(variant)])
+        rt = build(config)
+        batch = config.model.synthetic_batch(config.train.batch_size, seed=0)
+        with rt.context():
+            state = initial_state(rt)
+            device_batch = global_batch(batch, rt.mesh, rt.rules)
+            compiled = rt.step_function(device_batch).lower(state, device_batch).compile()
+        runs.append({"rt": rt, "step": compiled, "state": state, "batch": device_batch, "wall": [], "cpu": []})
+    for round_ in range(args.rounds + 1):
+        for run in runs:
+            with run["rt"].context():
+                wall, cpu = time.perf_counter(), time.process_time()
+                run["state"], metrics = run["step"](run["state"], run["batch"])
+                jax.block_until_ready(metrics)
+            if round_:  # round 0 warms up
+                run["wall"].append(time.perf_counter() - wall)
+                run["cpu"].append(time.process_time() - cpu)
+    base = statistics.median(runs[0]["wall"])
+    result = {"experiment": args.experiment, "rounds": args.rounds, "variants": []}
+    for variant, run in zip(args.variant, runs, strict=True):
+        wall, cpu = statistics.median(run["wall"]), statistics.median(run["cpu"])
+        row = {
+            "variant": variant,
+            "median_step_s": wall,
+            "q1_step_s": statistics.quantiles(run["wall"], n=4)[0],
+            "median_cpu_s": cpu,
+            "ratio_to_first": wall / base,
+        }
+        result["variants"].append(row)
+        label = variant or "(as registered)"
+        print(f"{label:40s} median {wall:.3f} s  q1 {row['q1_step_s']:.3f} s  cpu {cpu:.3f} s  x{wall / base:.2f}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
