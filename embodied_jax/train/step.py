@@ -82,7 +82,7 @@ def make_train_step(
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        def apply_update(fp8, other):
+        def apply_update():
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             ema = state.ema
@@ -91,12 +91,12 @@ def make_train_step(
                 ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
             return params, opt_state, fp8, other, ema
 
-        def keep_state(fp8, other):
+        def keep_state():
             return state.params, state.opt_state, state.fp8, state.other, state.ema
 
         # a branch, not a select per leaf: a select keeps the old optimizer moments alive next
         # to the new ones, so XLA copies every moment before updating it in place
-        params, opt_state, fp8, other, ema = jax.lax.cond(finite, apply_update, keep_state, fp8, other)
+        params, opt_state, fp8, other, ema = jax.lax.cond(finite, apply_update, keep_state)
         skips = jnp.where(finite, 0, state.skips + 1)
         new_state = state.replace(
             step=state.step + 1,

@@ -2,7 +2,7 @@
 
 Times train steps of configuration variants of one experiment against each other in one
 process: each variant (the experiment's overrides, e.g. ``--variant "" --variant
-"--model.no-scan-layers"``) is built and compiled as the launcher would, then one step of each
+"--model.no-scan-layers"``) is built and compiled as ``train_step`` builds it (``compile_step``), then one step of each
 runs in turn for ``--rounds`` rounds after a warm-up round. A change of this machine's speed,
 which moves single runs by ±20% on a shared 2-core CPU, then hits every variant alike.
 
@@ -35,25 +35,19 @@ def main(argv: list[str] | None = None) -> dict:
     if len(args.variant) < 2:
         raise InputError("compare_steps: give at least two --variant (use --variant '' for the experiment as is)")
 
-    from embodied_jax.parallel.sharding import global_batch
-    from embodied_jax.train.loop import build, initial_state
+    from experiments.benchmarks.train_step import compile_step
     from experiments.launch import parse
 
     runs = []
     for variant in args.variant:
-        config = parse([args.experiment, *shlex.split(variant)])
-        rt = build(config)
-        batch = config.model.synthetic_batch(config.train.batch_size, seed=0)
-        with rt.context():
-            state = initial_state(rt)
-            device_batch = global_batch(batch, rt.mesh, rt.rules)
-            compiled = rt.step_function(device_batch).lower(state, device_batch).compile()
-        runs.append({"rt": rt, "step": compiled, "state": state, "batch": device_batch, "wall": [], "cpu": []})
+        built = compile_step(parse([args.experiment, *shlex.split(variant)]), num_batches=1)
+        runs.append({"built": built, "state": built.state, "wall": [], "cpu": []})
     for round_ in range(args.rounds + 1):
         for run in runs:
-            with run["rt"].context():
+            built = run["built"]
+            with built.runtime.context():
                 wall, cpu = time.perf_counter(), time.process_time()
-                run["state"], metrics = run["step"](run["state"], run["batch"])
+                run["state"], metrics = built.step(run["state"], built.batches[0])
                 jax.block_until_ready(metrics)
             if round_:  # round 0 warms up
                 run["wall"].append(time.perf_counter() - wall)

@@ -22,10 +22,12 @@ device memory, and the arithmetic:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -81,6 +83,35 @@ def step_arithmetic(model_config, batch, compiled, median_s: float, rate: float)
     }
 
 
+@dataclasses.dataclass
+class CompiledStep:
+    """An experiment's train step as the launcher builds it, compiled for synthetic batches."""
+
+    runtime: Any
+    step: Any  # the compiled step: (state, batch) -> (state, metrics)
+    state: Any
+    host_batches: list  # NumPy batches of the model's exact shapes (seeds 0, 1, ...)
+    batches: list  # the same on the mesh
+    compile_s: float
+
+
+def compile_step(config, num_batches: int = 2) -> CompiledStep:
+    """Build the run of ``config`` (an ``ExperimentConfig``) as the launcher does and compile
+    its train step for ``num_batches`` synthetic batches of the step's shapes."""
+    from embodied_jax.parallel.sharding import global_batch
+    from embodied_jax.train.loop import build, initial_state
+
+    rt = build(config)
+    host = [config.model.synthetic_batch(config.train.batch_size, seed=i) for i in range(num_batches)]
+    with rt.context():
+        state = initial_state(rt)
+        batches = [global_batch(b, rt.mesh, rt.rules) for b in host]
+        t0 = time.perf_counter()
+        compiled = rt.step_function(batches[0]).lower(state, batches[0]).compile()
+        compile_s = time.perf_counter() - t0
+    return CompiledStep(rt, compiled, state, host, batches, compile_s)
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(add_help=False)
@@ -90,25 +121,18 @@ def main(argv: list[str] | None = None) -> dict:
     bench, rest = parser.parse_known_args(argv)
 
     from embodied_jax.parallel import distributed
-    from embodied_jax.parallel.sharding import global_batch
     from embodied_jax.train.dry_run import peak_host_bytes
-    from embodied_jax.train.loop import build, initial_state
     from experiments.launch import parse
 
     config = parse(rest)
     distributed.initialize(config.distributed)
-    rt = build(config)
-    train = config.train
-    batches = [config.model.synthetic_batch(train.batch_size, seed=i) for i in range(2)]
-    tokens = float(np.sum(batches[0]["token_mask"])) if "token_mask" in batches[0] else 0.0
+    built = compile_step(config)
     rate_before = matmul_flops_per_s()
+    rt, compiled, state = built.runtime, built.step, built.state
+    batches, device_batches, compile_s = built.host_batches, built.batches, built.compile_s
+    train = config.train
+    tokens = float(np.sum(batches[0]["token_mask"])) if "token_mask" in batches[0] else 0.0
     with rt.context():
-        state = initial_state(rt)
-        device_batches = [global_batch(b, rt.mesh, rt.rules) for b in batches]
-        step = rt.step_function(device_batches[0])
-        t0 = time.perf_counter()
-        compiled = step.lower(state, device_batches[0]).compile()
-        compile_s = time.perf_counter() - t0
         for i in range(bench.warmup):
             state, metrics = compiled(state, device_batches[i % 2])
         jax.block_until_ready(metrics)
