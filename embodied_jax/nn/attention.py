@@ -52,7 +52,6 @@ policies (``attention_q``, ``attention_k``, ``attention_v``, ``attention_out``; 
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Literal
 
@@ -162,7 +161,9 @@ def xla_attention(q, k, v, mask, scale):
     key gets zeros from a [B, T] select on the output. Logits, softmax and the backward
     pass run in float32 under ``_dense_attention``'s VJP."""
     bias = jnp.where(mask[:, 0], 0.0, jnp.finfo(jnp.float32).min)  # [B, T, S]
-    out = _dense_attention(q, k, v, bias, float(scale))
+    # the scale goes on the queries ([T, H] per head), not on the [T, S] logits, which XLA:CPU
+    # would multiply by a materialised broadcast of the scalar
+    out = _dense_attention(q * jnp.asarray(scale, q.dtype), k, v, bias)
     has_key = mask[:, 0].any(-1)[:, :, None, None]  # [B, T, 1, 1]
     return jnp.where(has_key, out, 0.0).astype(q.dtype)
 
@@ -179,28 +180,30 @@ def _tokens_major(x, length: int):
     return x.reshape(b, kv_heads, m // length, length, h).transpose(0, 3, 1, 2, 4).reshape(b, length, -1, h)
 
 
-def _dense_probs(qh, k, bias, scale):
-    """Softmax probabilities float32 [B, K, G·T, S] of heads-major queries against keys [B, S, K, H]."""
+def _dense_probs(qh, k, bias):
+    """Softmax probabilities float32 [B, K, G·T, S] of heads-major, already scaled queries against
+    keys [B, S, K, H]."""
     b, kv_heads, m, _ = qh.shape
     t = bias.shape[1]
     logits = jnp.einsum("bkmh,bskh->bkms", qh, k, preferred_element_type=jnp.float32).astype(jnp.float32)
-    logits = logits.reshape(b, kv_heads, m // t, t, -1) * jnp.float32(scale) + bias[:, None, None]
+    logits = logits.reshape(b, kv_heads, m // t, t, -1) + bias[:, None, None]
     return jax.nn.softmax(logits, axis=-1).reshape(b, kv_heads, m, -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _dense_attention(q, k, v, bias, scale):
-    return _dense_attention_fwd(q, k, v, bias, scale)[0]
+@jax.custom_vjp
+def _dense_attention(q, k, v, bias):
+    """Softmax attention of scaled queries q [B, T, N, H] over k, v [B, S, K, H] + bias [B, T, S]."""
+    return _dense_attention_fwd(q, k, v, bias)[0]
 
 
-def _dense_attention_fwd(q, k, v, bias, scale):
+def _dense_attention_fwd(q, k, v, bias):
     qh = _heads_major(q, k.shape[2])
-    probs = _dense_probs(qh, k, bias, scale)
+    probs = _dense_probs(qh, k, bias)
     out = jnp.einsum("bkms,bskh->bkmh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return _tokens_major(out, q.shape[1]), (qh, k, v, bias, probs, out)
 
 
-def _dense_attention_bwd(scale, residuals, d_out):
+def _dense_attention_bwd(residuals, d_out):
     # softmax's backward in closed form on the kept probabilities: one elementwise pass
     # dS = P (dP - rowsum(dO O)), where autodiff differentiates the max, exp, sum and divide
     qh, k, v, bias, probs, out = residuals
@@ -208,7 +211,7 @@ def _dense_attention_bwd(scale, residuals, d_out):
     f32 = dict(preferred_element_type=jnp.float32)
     dv = jnp.einsum("bkms,bkmh->bskh", probs, d_out, **f32)
     dp = jnp.einsum("bkmh,bskh->bkms", d_out, v.astype(jnp.float32), **f32)
-    ds = probs * (dp - jnp.sum(d_out * out, axis=-1, keepdims=True)) * jnp.float32(scale)
+    ds = probs * (dp - jnp.sum(d_out * out, axis=-1, keepdims=True))
     dq = jnp.einsum("bkms,bskh->bkmh", ds, k.astype(jnp.float32), **f32)
     dk = jnp.einsum("bkms,bkmh->bskh", ds, qh.astype(jnp.float32), **f32)
     dq = _tokens_major(dq, bias.shape[1])

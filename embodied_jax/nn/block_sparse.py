@@ -179,8 +179,10 @@ def block_sparse_attention(
         return x.reshape(groups, qb, *x.shape[1:])
 
     qv = by_block(q, ql, bq, 1).reshape(b, jq + 1, bq, kv_heads, g, h)
+    # scaled queries: the loops' logits need no multiply (elementwise work bounds them on a CPU)
+    qv = qv * jnp.asarray(scale, qv.dtype)
     query = (grouped(qv), grouped(q_seg_v), grouped(q_blk_v), grouped(first), grouped(count), chunks)
-    out = _attend(query, (k_v, v_v, kv_seg_v, kv_blk_v), float(scale), ck)  # [groups, qb, B, bq, K, G, H]
+    out = _attend(query, (k_v, v_v, kv_seg_v, kv_blk_v), ck)  # [groups, qb, B, bq, K, G, H]
     out = jnp.concatenate([out.reshape(groups * qb, b, bq, n, h), jnp.zeros((1, b, bq, n, h), out.dtype)], axis=0)
     # virtual block -> its place in the sorted order; the padding index jq -> the zero block
     place = jnp.zeros((jq + 1,), jnp.int32).at[order].set(jnp.arange(groups * qb, dtype=jnp.int32))
@@ -226,12 +228,12 @@ def _mask(q_seg, q_blk, k_seg, k_blk, valid):  # [qb, B, bq, ck, bk]
     )
 
 
-def _logits(q, k, mask, scale):
-    s = jnp.einsum(_LOGITS, q, k, preferred_element_type=jnp.float32) * scale
+def _logits(q, k, mask):
+    s = jnp.einsum(_LOGITS, q, k, preferred_element_type=jnp.float32)
     return jnp.where(mask[:, :, None, None], s, _NEG)  # [qb, B, K, G, bq, ck, bk]
 
 
-def _step_forward(query, keys, scale, ck):
+def _step_forward(query, keys, ck):
     q, q_seg, q_blk, first, count, chunks = query
     qb, b, bq, kh, g, h = q.shape
     stats = (qb, b, kh, g, bq)
@@ -239,7 +241,7 @@ def _step_forward(query, keys, scale, ck):
     def body(i, carry):
         m, total, acc = carry
         _, k_i, v_i, k_seg, k_blk, valid = _key_chunk(keys, first, count, i, ck)
-        s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid), scale)
+        s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid))
         m_new = jnp.maximum(m, jnp.max(s, axis=(-2, -1)))
         shift = jnp.where(m_new > _NEG, m_new, 0.0)  # nothing seen yet: every exp is 0
         p = jnp.exp(s - shift[..., None, None])
@@ -258,10 +260,10 @@ def _step_forward(query, keys, scale, ck):
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _attend(query, keys, scale: float, ck: int):
-    """Every loop step's query blocks [groups, qb, ...] against their key runs."""
-    return _attend_fwd(query, keys, scale, ck)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _attend(query, keys, ck: int):
+    """Every loop step's (scaled) query blocks [groups, qb, ...] against their key runs."""
+    return _attend_fwd(query, keys, ck)[0]
 
 
 def _deal(tree, i):  # loop i's steps: i, i + P, i + 2P, ...
@@ -272,13 +274,13 @@ def _gather_back(parts):  # [groups / P, ...] per loop -> [groups, ...] in step 
     return jnp.stack(parts, axis=1).reshape(-1, *parts[0].shape[1:])
 
 
-def _attend_fwd(query, keys, scale, ck):
-    parts = [jax.lax.map(lambda a: _step_forward(a, keys, scale, ck), _deal(query, i)) for i in range(_PARALLEL_LOOPS)]
+def _attend_fwd(query, keys, ck):
+    parts = [jax.lax.map(lambda a: _step_forward(a, keys, ck), _deal(query, i)) for i in range(_PARALLEL_LOOPS)]
     out, lse = _gather_back([p[0] for p in parts]), _gather_back([p[1] for p in parts])
     return out.astype(query[0].dtype), (query, keys, out, lse)
 
 
-def _attend_bwd(scale, ck, residuals, g_out):
+def _attend_bwd(ck, residuals, g_out):
     query, keys, out, lse = residuals
     k_v, v_v = keys[0], keys[1]
     rows = jnp.arange(k_v.shape[0])[None, :, None]
@@ -290,11 +292,11 @@ def _attend_bwd(scale, ck, residuals, g_out):
         def body(i, inner):
             dq, dk, dv = inner
             index, k_i, v_i, k_seg, k_blk, valid = _key_chunk(keys, first, count, i, ck)
-            s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid), scale)
+            s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid))
             p = jnp.exp(s - lse_j[..., None, None])  # masked logits and unseen queries: exactly 0
             dv_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
             dp = jnp.einsum("jbqkgh,jbctkh->jbkgqct", g, v_i, preferred_element_type=jnp.float32)
-            ds = p * (dp - delta[..., None, None]) * scale
+            ds = p * (dp - delta[..., None, None])
             dq = dq + jnp.einsum(
                 "jbkgqct,jbctkh->jbqkgh", ds.astype(k_i.dtype), k_i, preferred_element_type=jnp.float32
             )
