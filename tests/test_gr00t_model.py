@@ -231,3 +231,25 @@ def test_lora_freezes_dit_base_weights_only():
 def test_config_errors_name_the_nested_field(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(TINY, **change)
+
+
+def test_dropout_masks_realise_each_sites_rate_and_keep_the_mean():
+    from embodied_jax.models.dit import dropout, dropout_masks
+
+    sites = ((0.36, 64), (0.2, 256), (0.0, 8), (0.2, 63))
+    masks = dropout_masks(jax.random.key(3), (16, 128), sites)
+    assert masks[2] is None  # rate 0: no mask
+    for (rate, features), keep in zip(sites, masks):
+        if keep is None:
+            continue
+        mask, kept = keep
+        assert mask.shape == (16, 128, features)
+        assert abs(kept - (1 - rate)) < 2**-16
+        assert abs(1 - float(mask.mean()) - rate) < 0.01  # 2048 x features draws
+        x = np.full(mask.shape, 2.0, np.float32)
+        assert abs(float(dropout(x, keep).mean()) - 2.0) < 0.03  # inverted dropout: same expectation
+    first, second = (dropout_masks(jax.random.key(s), (16, 128), sites)[1][0] for s in (3, 4))
+    assert 0.3 < float((first != second).mean()) < 0.34  # keys give independent masks (2p(1-p) = 0.32)
+    assert dropout_masks(None, (2,), sites) == (None,) * 4
+    with pytest.raises(ValueError, match="dropout rate"):
+        dropout_masks(jax.random.key(0), (2,), ((1.0, 4),))

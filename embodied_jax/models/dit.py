@@ -25,7 +25,8 @@ cross-attention costs its own tokens, not the row's.
 
 Dropout (upstream 0.2 in both): the attention output passes ``to_out``'s dropout and the
 block's ``final_dropout`` (rate p twice, applied here as one draw of rate 1-(1-p)^2, the
-same distribution); the feed-forward drops after the activation and after ``net.2``.
+same distribution); the feed-forward drops after the activation and after ``net.2``. A block
+draws the uniforms of all three sites at once, 16 bits each (``dropout_masks``).
 """
 
 from __future__ import annotations
@@ -46,12 +47,40 @@ from embodied_jax.nn.stack import PerLayer, build_stack, run_stack
 from embodied_jax.parallel.partition import shard_tokens
 
 
-def dropout(x, rate: float, key):
-    """Inverted dropout; identity when ``key`` is None or ``rate`` is 0."""
-    if key is None or rate <= 0.0:
+def dropout_masks(key, lead_shape: tuple[int, ...], sites: tuple[tuple[float, int], ...]):
+    """Keep masks of a block's dropout ``sites`` ((rate, features), ...) for activations
+    ``lead_shape + (features,)``: one (bool mask, kept fraction) per site, None for a site of
+    rate 0 or when ``key`` is None.
+
+    One draw of 16-bit uniforms covers every site (each 32-bit random word gives two
+    features): on a CPU the random bits, not the masking, are dropout's cost. A feature is
+    kept when its uniform is >= round(rate * 2^16), so the realised rate is within 2^-17 of
+    ``rate`` and ``dropout`` rescales by the realised kept fraction (unbiased)."""
+    for rate, _ in sites:
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    if key is None:
+        return tuple(None for _ in sites)
+    total = sum(features for _, features in sites)
+    words = jax.random.bits(key, (*lead_shape, -(-total // 2)), jnp.uint32)
+    uniforms = jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(*lead_shape, -1)
+    masks, start = [], 0
+    for rate, features in sites:
+        threshold = round(rate * 65536)
+        if threshold == 0:
+            masks.append(None)
+        else:
+            masks.append((uniforms[..., start : start + features] >= threshold, 1.0 - threshold / 65536))
+        start += features
+    return tuple(masks)
+
+
+def dropout(x, keep):
+    """Inverted dropout with ``keep`` = (mask, kept fraction) from ``dropout_masks``; None: identity."""
+    if keep is None:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+    mask, kept = keep
+    return jnp.where(mask, x / kept, 0).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +143,13 @@ class FeedForward(nnx.Module):
 
     def __init__(self, dim: int, spec: BlockSpec, *, mult: int = 4, rngs: nnx.Rngs):
         common = dict(fp8=spec.fp8, dtype=spec.dtype, param_dtype=spec.param_dtype, lora=spec.lora, rngs=rngs)
-        self.rate = spec.dropout
         self.proj_in = Dense(dim, mult * dim, axes=("embed", "mlp"), **common)
         self.proj_out = Dense(mult * dim, dim, axes=("mlp", "embed"), **common)
 
-    def __call__(self, x, key=None):
-        k1, k2 = jax.random.split(key) if key is not None else (None, None)
-        h = shard_tokens(dropout(jax.nn.gelu(self.proj_in(x), approximate=True), self.rate, k1), "act_mlp")
-        return dropout(self.proj_out(h), self.rate, k2)
+    def __call__(self, x, keep_hidden=None, keep_out=None):
+        """``keep_*``: dropout masks (``dropout_masks``) after the activation and after ``proj_out``."""
+        h = shard_tokens(dropout(jax.nn.gelu(self.proj_in(x), approximate=True), keep_hidden), "act_mlp")
+        return dropout(self.proj_out(h), keep_out)
 
 
 class BasicTransformerBlock(nnx.Module):
@@ -176,9 +204,11 @@ class BasicTransformerBlock(nnx.Module):
             h = self.attn1(h, q_segment_ids, context, kv_segment_ids, context_gather)
         else:
             h = self.attn1(h, q_segment_ids, bounds=bounds)
-        k_attn, k_ff = jax.random.split(key) if key is not None else (None, None)
-        x = shard_tokens(x + dropout(h, 1.0 - (1.0 - self.rate) ** 2, k_attn).astype(x.dtype))
-        return shard_tokens(x + self.ff(self.norm3(x), k_ff).astype(x.dtype))
+        dim = x.shape[-1]
+        sites = ((1.0 - (1.0 - self.rate) ** 2, dim), (self.rate, self.ff.proj_in.out_features), (self.rate, dim))
+        keep_attn, keep_hidden, keep_out = dropout_masks(key, x.shape[:-1], sites)
+        x = shard_tokens(x + dropout(h, keep_attn).astype(x.dtype))
+        return shard_tokens(x + self.ff(self.norm3(x), keep_hidden, keep_out).astype(x.dtype))
 
 
 @register
