@@ -239,7 +239,7 @@ def test_dropout_masks_realise_each_sites_rate_and_keep_the_mean():
     sites = ((0.36, 64), (0.2, 256), (0.0, 8), (0.2, 63))
     masks = dropout_masks(jax.random.key(3), (16, 128), sites)
     assert masks[2] is None  # rate 0: no mask
-    for (rate, features), keep in zip(sites, masks):
+    for (rate, features), keep in zip(sites, masks, strict=True):
         if keep is None:
             continue
         mask, kept = keep
