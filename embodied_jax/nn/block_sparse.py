@@ -178,12 +178,15 @@ def block_sparse_attention(
         x = jnp.swapaxes(x[:, order], 0, 1)
         return x.reshape(groups, qb, *x.shape[1:])
 
-    qv = by_block(q, ql, bq, 1).reshape(b, jq + 1, bq, kv_heads, g, h)
-    # scaled queries: the loops' logits need no multiply (elementwise work bounds them on a CPU)
+    # Queries heads-major inside the loops ([.., K, G, bq, H]: a key head's G·bq queries are one
+    # matrix, so no loop step transposes the logits or the output) and scaled (the loops'
+    # logits need no multiply: elementwise work bounds them on a CPU).
+    qv = by_block(q, ql, bq, 1).reshape(b, jq + 1, bq, kv_heads, g, h).transpose(0, 1, 3, 4, 2, 5)
     qv = qv * jnp.asarray(scale, qv.dtype)
     query = (grouped(qv), grouped(q_seg_v), grouped(q_blk_v), grouped(first), grouped(count), chunks)
-    out = _attend(query, (k_v, v_v, kv_seg_v, kv_blk_v), ck)  # [groups, qb, B, bq, K, G, H]
-    out = jnp.concatenate([out.reshape(groups * qb, b, bq, n, h), jnp.zeros((1, b, bq, n, h), out.dtype)], axis=0)
+    out = _attend(query, (k_v, v_v, kv_seg_v, kv_blk_v), ck)  # [groups, qb, B, K, G, bq, H]
+    out = out.transpose(0, 1, 2, 5, 3, 4, 6).reshape(groups * qb, b, bq, n, h)
+    out = jnp.concatenate([out, jnp.zeros((1, b, bq, n, h), out.dtype)], axis=0)
     # virtual block -> its place in the sorted order; the padding index jq -> the zero block
     place = jnp.zeros((jq + 1,), jnp.int32).at[order].set(jnp.arange(groups * qb, dtype=jnp.int32))
     place = place.at[jq].set(groups * qb)
@@ -199,10 +202,10 @@ _KEY_BLOCKS_PER_STEP = 4
 # side (a loop's small ops alone leave a core idle).
 _PARALLEL_LOOPS = 2
 _NEG = float(jnp.finfo(jnp.float32).min)
-_LOGITS = "jbqkgh,jbctkh->jbkgqct"
+_LOGITS = "jbkgqh,jbctkh->jbkgqct"
 
 
-# A loop step: qb query blocks q [qb, B, bq, K, G, H] (ids [qb, B, bq]), each against its own
+# A loop step: qb query blocks q [qb, B, K, G, bq, H] (ids [qb, B, bq]), each against its own
 # key run (``first``, ``count`` [qb, B] blocks of the virtual key layout), ck key blocks per
 # inner step, as many steps as ``chunks``. Flash attention's arithmetic: an online softmax
 # forward that keeps each query's log-sum-exp, and a backward pass that recomputes the
@@ -235,8 +238,7 @@ def _logits(q, k, mask):
 
 def _step_forward(query, keys, ck):
     q, q_seg, q_blk, first, count, chunks = query
-    qb, b, bq, kh, g, h = q.shape
-    stats = (qb, b, kh, g, bq)
+    stats = q.shape[:-1]  # [qb, B, K, G, bq]
 
     def body(i, carry):
         m, total, acc = carry
@@ -247,15 +249,15 @@ def _step_forward(query, keys, ck):
         p = jnp.exp(s - shift[..., None, None])
         alpha = jnp.exp(m - shift)
         total = total * alpha + jnp.sum(p, axis=(-2, -1))
-        pv = jnp.einsum("jbkgqct,jbctkh->jbqkgh", p.astype(v_i.dtype), v_i, preferred_element_type=jnp.float32)
-        acc = acc * jnp.moveaxis(alpha, 4, 2)[..., None] + pv
+        pv = jnp.einsum("jbkgqct,jbctkh->jbkgqh", p.astype(v_i.dtype), v_i, preferred_element_type=jnp.float32)
+        acc = acc * alpha[..., None] + pv
         return m_new, total, acc
 
     init = (jnp.full(stats, _NEG, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(q.shape, jnp.float32))
     m, total, acc = jax.lax.fori_loop(0, chunks, body, init)
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
-    out = acc * jnp.moveaxis(jnp.where(seen, 1.0 / safe, 0.0), 4, 2)[..., None]
+    out = acc * jnp.where(seen, 1.0 / safe, 0.0)[..., None]
     lse = jnp.where(seen, jnp.where(m > _NEG, m, 0.0) + jnp.log(safe), jnp.inf)
     return out, lse
 
@@ -287,20 +289,20 @@ def _attend_bwd(ck, residuals, g_out):
 
     def step(carry, xs):  # one loop step's query blocks; dk, dv of the whole layout carried
         (q, q_seg, q_blk, first, count, chunks), out_j, lse_j, g = xs
-        delta = jnp.moveaxis(jnp.sum(g.astype(jnp.float32) * out_j, axis=-1), 2, 4)  # [qb, B, K, G, bq]
+        delta = jnp.sum(g.astype(jnp.float32) * out_j, axis=-1)  # [qb, B, K, G, bq]
 
         def body(i, inner):
             dq, dk, dv = inner
             index, k_i, v_i, k_seg, k_blk, valid = _key_chunk(keys, first, count, i, ck)
             s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid))
             p = jnp.exp(s - lse_j[..., None, None])  # masked logits and unseen queries: exactly 0
-            dv_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("jbqkgh,jbctkh->jbkgqct", g, v_i, preferred_element_type=jnp.float32)
+            dv_i = jnp.einsum("jbkgqct,jbkgqh->jbctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("jbkgqh,jbctkh->jbkgqct", g, v_i, preferred_element_type=jnp.float32)
             ds = p * (dp - delta[..., None, None])
             dq = dq + jnp.einsum(
-                "jbkgqct,jbctkh->jbqkgh", ds.astype(k_i.dtype), k_i, preferred_element_type=jnp.float32
+                "jbkgqct,jbctkh->jbkgqh", ds.astype(k_i.dtype), k_i, preferred_element_type=jnp.float32
             )
-            dk_i = jnp.einsum("jbkgqct,jbqkgh->jbctkh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            dk_i = jnp.einsum("jbkgqct,jbkgqh->jbctkh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
             return dq, dk.at[rows, index].add(dk_i), dv.at[rows, index].add(dv_i)
 
         dq, dk, dv = jax.lax.fori_loop(0, chunks, body, (jnp.zeros(q.shape, jnp.float32), *carry))
