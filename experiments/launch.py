@@ -74,4 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from embodied_jax import host_malloc
+
+    host_malloc.reexec()  # once, before any work: malloc settings that reuse memory between steps
     sys.exit(main())

@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from embodied_jax import host_malloc
 from embodied_jax.cli import run_main
 
 CAMERAS = {
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     padded_s, packed_s = medians["padded"], medians["packed"]
     result = {
         "model": config.name,
+        "host_malloc": host_malloc.mode(),
         "samples_per_step": bench.batch,
         "padded_step_s": padded_s,
         "packed_step_s": packed_s,

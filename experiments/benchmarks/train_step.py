@@ -16,7 +16,9 @@ device memory, and the arithmetic:
 - ``matmul_flops_per_s``: median of 7 jitted 3464x512 @ 512x2048 float32 matmuls in this
   process (measured before and after the steps; the higher median counts), and
   ``limit_fraction`` = analytic_flops / median step / that rate;
-- on GPU, the model FLOPs utilisation against the device's peak.
+- on GPU, the model FLOPs utilisation against the device's peak;
+- ``host_malloc``: ``reuse`` when the step ran with ``embodied_jax.host_malloc``'s settings
+  (the command restarts itself with them; ``EMBODIED_JAX_MALLOC=system`` keeps glibc's default).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from embodied_jax import host_malloc
 from embodied_jax.cli import run_main
 
 # Peak dense bf16 FLOP/s per device, for MFU.
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         "experiment": config.name,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
+        "host_malloc": host_malloc.mode(),  # "reuse": memory kept between steps (embodied_jax.host_malloc)
         "batch_size": train.batch_size,
         "median_step_s": median,
         "examples_per_s": train.batch_size / median,
