@@ -8,8 +8,8 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from embodied_jax import host_malloc
 from embodied_jax.errors import InputError
+from embodied_jax.host_malloc import reexec
 
 # Besides the project's own InputErrors: a missing or unreadable file.
 INPUT_ERRORS: tuple[type[BaseException], ...] = (InputError, OSError)
@@ -35,7 +35,7 @@ def run_main(
     """Run ``main(argv)`` (a script's own argument parsing included), reporting ``errors`` in
     one line; ``--verbose`` anywhere in ``argv`` is taken out and turns the traceback on."""
     if argv is None:  # a real command line: restart once with the step-to-step malloc settings
-        host_malloc.reexec()
+        reexec()
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = "--verbose" in argv
     argv = [a for a in argv if a != "--verbose"]

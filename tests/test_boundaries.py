@@ -18,9 +18,9 @@ LIBRARY = ROOT / "embodied_jax"
 
 # DESIGN.md "Import direction" (experiments -> train, sim, data, models -> nn -> parallel; train and
 # sim read data, never a model; sim never imports train): what each part may import besides itself.
-# Top-level modules: the contracts, the error base, the command-line conventions and the
-# saved-config registry are importable from anywhere.
-ANYWHERE = {"assets", "cli", "config_registry", "errors", "policy", "variables"}
+# Top-level modules: the contracts, the error base, the command-line conventions (with the
+# process's malloc settings) and the saved-config registry are importable from anywhere.
+ANYWHERE = {"assets", "cli", "config_registry", "errors", "host_malloc", "policy", "variables"}
 ALLOWED = {
     "parallel": set(),
     "nn": {"parallel"},
@@ -39,6 +39,7 @@ ALLOWED = {
     "cli": set(),
     "config_registry": set(),
     "errors": set(),
+    "host_malloc": set(),
     "policy": set(),
     "variables": set(),
 }
