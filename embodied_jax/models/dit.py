@@ -59,18 +59,18 @@ def dropout_masks(key, lead_shape: tuple[int, ...], sites: tuple[tuple[float, in
     for rate, _ in sites:
         if not 0.0 <= rate < 1.0:
             raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
-    if key is None:
+    thresholds = [round(rate * 65536) for rate, _ in sites]
+    total = sum(features for (_, features), t in zip(sites, thresholds, strict=True) if t)
+    if key is None or not total:
         return tuple(None for _ in sites)
-    total = sum(features for _, features in sites)
-    words = jax.random.bits(key, (*lead_shape, -(-total // 2)), jnp.uint32)
+    words = jax.random.bits(key, (*lead_shape, -(-total // 2)), jnp.uint32)  # bits for the sites that drop
     uniforms = jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(*lead_shape, -1)
     masks, start = [], 0
-    for rate, features in sites:
-        threshold = round(rate * 65536)
-        if threshold == 0:
+    for (_, features), threshold in zip(sites, thresholds, strict=True):
+        if not threshold:
             masks.append(None)
-        else:
-            masks.append((uniforms[..., start : start + features] >= threshold, 1.0 - threshold / 65536))
+            continue
+        masks.append((uniforms[..., start : start + features] >= threshold, 1.0 - threshold / 65536))
         start += features
     return tuple(masks)
 

@@ -22,9 +22,10 @@ four key blocks at a time from the keys' virtual layout, as many as the step's f
 (neediest) block needs, with an online softmax. The loops have their own VJP with flash
 attention's arithmetic: the forward pass keeps each query's log-sum-exp, the backward
 pass recomputes the probabilities from it (no softmax to differentiate, none stored) and
-scatter-adds key and value gradients into the layout. Inside the loops the queries are heads-major
-([K, G, block, H]), so the logits and the output need no transposed copy per step. The outputs are gathered back to
-the original token order (zeros where a query sees no key).
+scatter-adds key and value gradients into the layout. Inside the loops the queries are
+heads-major ([K, G, block, H]), so the logits and the output need no transposed copy per
+step. The outputs are gathered back to the original token order (zeros where a query sees
+no key).
 
 Cost: the visible block pairs, rounded up to groups of four key blocks and to the
 neediest of four sorted query blocks (about the real query-key pairs of the row's
