@@ -13,28 +13,35 @@ block boundary; padding tokens are dropped. Static sizes come from ``SegmentBoun
 needs ``min(T, (T + R (b - 1)) // b)`` blocks, and a query block needs at most
 ``ceil(max_kv_len / b)`` key blocks, those of its own segment's run.
 
-Compute. The query blocks are sorted by how many key blocks they need (up to the last one
-holding a visible key: a causal query block needs those up to itself, a short sample's
-only its own few), neediest first; a batch's rows share the order (the neediest of their
-blocks at each index). Loop steps take four query blocks each, dealt to two independent
-loops that run side by side; inside a step a loop with a data-dependent trip count gathers
-four key blocks at a time from the keys' virtual layout, as many as the step's first
-(neediest) block needs, with an online softmax. The loops have their own VJP with flash
-attention's arithmetic: the forward pass keeps each query's log-sum-exp, the backward
-pass recomputes the probabilities from it (no softmax to differentiate, none stored) and
-scatter-adds key and value gradients into the layout. Inside the loops the queries are
-heads-major ([K, G, block, H]), so the logits and the output need no transposed copy per
-step. The outputs are gathered back to the original token order (zeros where a query sees
-no key).
+Compute. Queries go in *tiles*: up to four consecutive query blocks of one segment's run
+(about 512 rows of logits per key head: ``_TILE_ROWS``), the last tile of a run moved back
+to end with it (overlapping its predecessor, whose rows it recomputes). A tile needs the
+key blocks of its segment's run up to the last one holding a key it can see (a causal tile:
+those up to its last row; a short sample's: its own few). Every row's tiles are sorted by
+that need, neediest first, and dealt to two independent loops that run side by side, one
+tile per step; inside a step a loop with a data-dependent trip count takes four key blocks
+at a time, a contiguous slice of the keys' heads-major layout ([B, K, slots, H]: no gather,
+no transposed copy), with an online softmax. All of a tile's rows share each key chunk, so
+a loop step is a few large matmuls (tile rows x key chunk per key head) rather than one per
+query block. The loops have their own VJP with flash attention's arithmetic: the forward
+pass keeps each query's log-sum-exp, the backward pass recomputes the probabilities from it
+(no softmax to differentiate, none stored) and sums a tile's key and value gradients in a
+buffer of one key run (transposed, [K, H, run]: the probabilities need no transposed copy)
+that is then added into the layout's. The outputs are gathered back to the original token
+order (zeros where a query sees no key).
 
-Cost: the visible block pairs, rounded up to groups of four key blocks and to the
-neediest of four sorted query blocks (about the real query-key pairs of the row's
-samples, half of them for causal attention), against B x L^2 for the same samples padded
-to L. Memory: the virtual layouts (O(T)) and one loop step's logits.
+Cost: the visible block pairs, rounded up to whole tiles and to groups of four key blocks
+(the real query-key pairs of the row's samples times about 1.7 bidirectional, 2.2 causal
+for GR00T's 300-900-token samples: XLA-counted loop FLOPs of the packed ``gr00t_bench``
+step), against B x L^2 for the same samples padded to L. Memory: the virtual layouts (O(T))
+and one loop step's logits. On a CPU each op of a loop step has a fixed cost, so finer tiles
+or chunks (less rounding) do not pay:
+query tiles of 128-512 rows and key chunks of 128-512 keys measured within noise of each
+other for GR00T's and π0.5's layouts.
 
 Everything is gathers, einsums and exponentials, so XLA compiles it on CPU and GPU. The
 bounds must hold: a row with more segments than ``max_segments`` or a segment longer than
-its bound loses keys silently (the packer and the model configs guarantee them).
+its bound loses keys or queries silently (the packer and the model configs guarantee them).
 """
 
 from __future__ import annotations
@@ -130,133 +137,193 @@ def block_sparse_attention(
     r = bounds.max_segments
     jq = virtual_blocks(t, r, bq)
     jk = virtual_blocks(s, r, bk)
-    c = min(jk, math.ceil(bounds.max_kv_len / bk))
+    c = min(jk, math.ceil(bounds.max_kv_len / bk))  # key blocks one query block can need
+    ck = min(_KEY_BLOCKS_PER_STEP, c)  # key blocks per inner step
+    tq = _tile_blocks(jq, g, bq)  # query blocks per tile
+    # tiles per row: a segment of L tokens has ceil(L / (tq·bq)) of them
+    nt = min(virtual_blocks(t, r, tq * bq), r * math.ceil(min(bounds.max_q_len, t) / (tq * bq)))
+    q_seg = jnp.asarray(q_segment_ids, jnp.int32)
+    kv_seg = jnp.asarray(kv_segment_ids, jnp.int32)
     q_blk = jnp.zeros((b, t), jnp.int32) if q_block_ids is None else jnp.asarray(q_block_ids, jnp.int32)
     kv_blk = jnp.zeros((b, s), jnp.int32) if kv_block_ids is None else jnp.asarray(kv_block_ids, jnp.int32)
-    ql = _layout(q_segment_ids, r, bq, jq)
-    kl = _layout(kv_segment_ids, r, bk, jk)
+    ql = _layout(q_seg, r, bq, jq)
+    kl = _layout(kv_seg, r, bk, jk)
+    rows = jnp.arange(b)[:, None]
 
-    qb = min(_QUERY_BLOCKS_PER_STEP, jq)  # query blocks per loop step
-    ck = min(_KEY_BLOCKS_PER_STEP, c)  # key blocks per inner step
-    groups = -(-jq // (qb * _PARALLEL_LOOPS)) * _PARALLEL_LOOPS
-    batch = jnp.arange(b)[:, None]
-
-    def by_block(x, layout, block, extra):  # [B, T, ...] -> [B, J + extra, block, ...] (extra empty blocks)
+    def virtual(x, layout, slots):  # [B, T, ...] -> [B, slots, ...] in the virtual order, zeros when empty
         xp = jnp.concatenate([x, jnp.zeros((b, 1, *x.shape[2:]), x.dtype)], axis=1)  # index T: a zero row
-        index = layout.source.reshape(b, -1, block)
-        index = jnp.concatenate([index, jnp.full((b, extra, block), x.shape[1], index.dtype)], axis=1)
-        return xp[batch[..., None], index]
+        pad = jnp.full((b, slots - layout.source.shape[1]), x.shape[1], layout.source.dtype)
+        return xp[rows, jnp.concatenate([layout.source, pad], axis=1)]
 
-    # Keys/values and their ids in the virtual layout, ck empty blocks appended so that a
-    # chunk starting in the last blocks never runs past the end.
-    kv_seg_v = by_block(jnp.asarray(kv_segment_ids, jnp.int32), kl, bk, ck)  # [B, Jk + ck, bk]
-    kv_blk_v = by_block(kv_blk, kl, bk, ck)
-    k_v, v_v = by_block(k, kl, bk, ck), by_block(v, kl, bk, ck)  # [B, Jk + ck, bk, K, H]
-    q_seg_v = by_block(jnp.asarray(q_segment_ids, jnp.int32), ql, bq, 1)  # [B, Jq + 1, bq]; 0 = empty
-    q_blk_v = by_block(q_blk, ql, bq, 1)
+    # Keys heads-major ([B, K, slots, H]: a chunk of one row is a contiguous slice per head), with
+    # empty blocks appended so that a tile's longest key run (span) stays inside from any start.
+    span = -(-c // ck) * ck * bk
+    key_slots = jk * bk + span
+    keys = (
+        virtual(k, kl, key_slots).transpose(0, 2, 1, 3),
+        virtual(v, kl, key_slots).transpose(0, 2, 1, 3),
+        virtual(kv_seg, kl, key_slots),  # 0 = empty
+        virtual(kv_blk, kl, key_slots),
+    )
 
-    # Each query block's key blocks (the last query block is empty): its segment's run, up to
-    # the last block holding a key it can see (a causal block's: those up to itself).
-    seg_j = jnp.concatenate([ql.block_segment, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, Jq + 1]
-    match = (kl.run_segment[:, None, :] == seg_j[:, :, None]) & (seg_j[:, :, None] != 0)  # [B, Jq + 1, R]
+    # Tiles: tq consecutive query blocks of one segment's run; a run of n blocks has ceil(n / tq)
+    # tiles, the last one moved back to end with the run (overlapping its predecessor) unless the
+    # run is shorter than a tile. Rows of a tile that belong to another segment see no key.
+    tiles = jnp.where(ql.run_segment != 0, (ql.run_blocks + tq - 1) // tq, 0)  # [B, R]
+    tile_end = jnp.cumsum(tiles, axis=1)
+    index = jnp.arange(nt, dtype=jnp.int32)
+    run = jnp.sum(tile_end[:, None, :] <= index[None, :, None], axis=-1)  # [B, nt]; R = no tile
+    real = run < r
+    run = jnp.minimum(run, r - 1)
+    at = lambda x: jnp.take_along_axis(x, run, axis=1)  # noqa: E731
+    local = index[None] - (at(tile_end) - at(tiles))
+    start = at(ql.run_first_block) + jnp.minimum(local * tq, jnp.maximum(at(ql.run_blocks) - tq, 0))
+    start = jnp.where(real, start, jq)  # no tile: the empty blocks after the layout
+    segment = jnp.where(real, at(ql.run_segment), 0)
+    query_slots = (jq + tq) * bq
+    slot = start[..., None] * bq + jnp.arange(tq * bq, dtype=jnp.int32)  # [B, nt, tq·bq]
+    tile_seg = jnp.take_along_axis(virtual(q_seg, ql, query_slots), slot.reshape(b, -1), axis=1).reshape(slot.shape)
+    tile_blk = jnp.take_along_axis(virtual(q_blk, ql, query_slots), slot.reshape(b, -1), axis=1).reshape(slot.shape)
+    own = (tile_seg == segment[..., None]) & (segment[..., None] != 0)  # rows this tile answers for
+
+    # Each tile's key run (its segment's) and how many of its blocks it needs: up to the last
+    # one holding a key some row of the tile can see (a causal tile: those up to its last row).
+    match = (kl.run_segment[:, None, :] == segment[..., None]) & (segment[..., None] != 0)  # [B, nt, R]
     kv_run = jnp.argmax(match, axis=-1)
     first = jnp.take_along_axis(kl.run_first_block, kv_run, axis=1)
     count = jnp.where(match.any(-1), jnp.take_along_axis(kl.run_blocks, kv_run, axis=1), 0)
     big = jnp.iinfo(jnp.int32).max
-    lowest_key = jnp.min(jnp.where(kv_seg_v != 0, kv_blk_v, big), axis=-1)  # [B, Jk + ck]
-    highest_query = jnp.max(jnp.where(q_seg_v != 0, q_blk_v, -1), axis=-1)  # [B, Jq + 1]
+    lowest_key = jnp.min(jnp.where(keys[2] != 0, keys[3], big).reshape(b, -1, bk), axis=-1)  # per key block
+    highest_query = jnp.max(jnp.where(own, tile_blk, -1), axis=-1)  # [B, nt]
     step = jnp.arange(c, dtype=jnp.int32)
     candidate = jnp.take_along_axis(lowest_key, jnp.minimum(first[..., None] + step, jk - 1).reshape(b, -1), axis=1)
-    sees = (candidate.reshape(b, jq + 1, c) <= highest_query[..., None]) & (step < count[..., None])
-    need = jnp.max(jnp.where(sees, step + 1, 0), axis=(0, 2))[:jq]  # [Jq]: over the batch's rows
+    sees = (candidate.reshape(b, nt, c) <= highest_query[..., None]) & (step < count[..., None])
+    need = jnp.max(jnp.where(sees, step + 1, 0), axis=-1)  # [B, nt] key blocks
+    trips = (need + ck - 1) // ck
 
-    # Neediest query blocks first; a loop step's chunk count is what its first block needs.
-    order = jnp.argsort(-need, stable=True).astype(jnp.int32)
-    order = jnp.concatenate([order, jnp.full((groups * qb - jq,), jq, jnp.int32)])  # pad with the empty block
-    need_sorted = jnp.concatenate([need, jnp.zeros((1,), need.dtype)])[order]
-    chunks = (need_sorted.reshape(groups, qb)[:, 0] + ck - 1) // ck  # [groups]
+    # Steps: every row's tiles, most key chunks first, qb tiles per step (four query blocks: one
+    # tile of four, or four of one when a block alone has ``_TILE_ROWS`` rows), the steps dealt
+    # round-robin to the parallel loops.
+    total = b * nt
+    qb = max(1, min(total, _MAX_TILE_BLOCKS // tq))
+    steps = -(-total // (qb * _PARALLEL_LOOPS)) * _PARALLEL_LOOPS * qb  # tiles in all steps
+    order = jnp.argsort(-trips.reshape(-1), stable=True).astype(jnp.int32)
+    order = jnp.concatenate([order, jnp.full((steps - total,), total, jnp.int32)])  # pad: an empty tile
 
-    def grouped(x):  # [B, Jq + 1, ...] -> [groups, qb, B, ...] in sorted order
-        x = jnp.swapaxes(x[:, order], 0, 1)
-        return x.reshape(groups, qb, *x.shape[1:])
+    def sorted_steps(x):  # [B, nt, ...] -> [steps / qb, qb, ...]; the padding tiles are zeros
+        x = x.reshape(total, *x.shape[2:])
+        x = jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])[order]
+        return x.reshape(steps // qb, qb, *x.shape[1:])
 
-    # Queries heads-major inside the loops ([.., K, G, bq, H]: a key head's G·bq queries are one
-    # matrix, so no loop step transposes the logits or the output) and scaled (the loops'
-    # logits need no multiply: elementwise work bounds them on a CPU).
-    qv = by_block(q, ql, bq, 1).reshape(b, jq + 1, bq, kv_heads, g, h).transpose(0, 1, 3, 4, 2, 5)
-    qv = qv * jnp.asarray(scale, qv.dtype)
-    query = (grouped(qv), grouped(q_seg_v), grouped(q_blk_v), grouped(first), grouped(count), chunks)
-    out = _attend(query, (k_v, v_v, kv_seg_v, kv_blk_v), ck)  # [groups, qb, B, K, G, bq, H]
-    out = out.transpose(0, 1, 2, 5, 3, 4, 6).reshape(groups * qb, b, bq, n, h)
-    out = jnp.concatenate([out, jnp.zeros((1, b, bq, n, h), out.dtype)], axis=0)
-    # virtual block -> its place in the sorted order; the padding index jq -> the zero block
-    place = jnp.zeros((jq + 1,), jnp.int32).at[order].set(jnp.arange(groups * qb, dtype=jnp.int32))
-    place = place.at[jq].set(groups * qb)
-    dest = ql.dest  # [B, T]: virtual slot, jq * bq for padding (-> the zero block)
-    return out[place[dest // bq], jnp.arange(b)[:, None], dest % bq].astype(q.dtype)
+    tile_rows = tq * bq
+    qv = virtual(q, ql, query_slots)  # [B, slots, N, H]
+    q_tiles = qv[rows[..., None], slot]  # [B, nt, tq·bq, N, H]
+    q_tiles = q_tiles.reshape(b, nt, tile_rows, kv_heads, g, h).transpose(0, 1, 3, 4, 2, 5)  # heads-major
+    q_tiles = q_tiles * jnp.asarray(scale, q_tiles.dtype)  # the loops' logits need no multiply
+    tile = (
+        sorted_steps(q_tiles),
+        sorted_steps(tile_seg),
+        sorted_steps(tile_blk),
+        sorted_steps(jnp.broadcast_to(rows, (b, nt)).astype(jnp.int32)),
+        sorted_steps(first * bk),
+        sorted_steps(trips),
+    )
+    out = _attend(tile, keys, (ck * bk, span))  # [steps / qb, qb, K, G, tq·bq, H]
+    out = out.reshape(steps, kv_heads, g, tile_rows, h).transpose(0, 3, 1, 2, 4).reshape(steps * tile_rows, n, h)
+    out = jnp.concatenate([out, jnp.zeros((1, n, h), out.dtype)])
+
+    # Each virtual query slot -> the row of a tile that answers for it (either, where two overlap).
+    place = jnp.zeros((total + 1,), jnp.int32).at[order].set(jnp.arange(steps, dtype=jnp.int32))[:total]
+    answer = place.reshape(b, nt, 1) * tile_rows + jnp.arange(tile_rows, dtype=jnp.int32)
+    none = steps * tile_rows  # the zero row
+    where = jnp.full((b, query_slots + 1), none, jnp.int32)
+    where = where.at[rows[..., None], jnp.where(own, slot, query_slots)].min(answer)
+    return out[where[rows, ql.dest]].astype(q.dtype)  # padding tokens (dest jq·bq) -> the zero row
 
 
-# Query and key blocks per loop step: a few blocks give XLA:CPU larger ops (both cores
-# busy) while the logits of one step still fit in cache.
-_QUERY_BLOCKS_PER_STEP = 4
+def _tile_blocks(query_blocks: int, group: int, block: int) -> int:
+    """Query blocks per tile: about ``_TILE_ROWS`` rows of logits per key head (``group`` query
+    heads share one), at most ``_MAX_TILE_BLOCKS``."""
+    return max(1, min(query_blocks, _MAX_TILE_BLOCKS, _TILE_ROWS // (group * block)))
+
+
+# A tile's logits per key head have about this many rows: larger matmuls than one block's on a
+# CPU, and little waste at the end of a segment's run.
+_TILE_ROWS = 512
+_MAX_TILE_BLOCKS = 4
+# Key blocks per inner step: a step's logits ([K, G, tile rows, ck·bk]) still fit in cache.
 _KEY_BLOCKS_PER_STEP = 4
-# Loop steps are dealt round-robin to this many independent loops, which XLA:CPU runs side by
-# side (a loop's small ops alone leave a core idle).
+# Steps are dealt round-robin to this many independent loops, which XLA:CPU runs side by side
+# (a loop's small ops alone leave a core idle).
 _PARALLEL_LOOPS = 2
 _NEG = float(jnp.finfo(jnp.float32).min)
-_LOGITS = "jbkgqh,jbctkh->jbkgqct"
 
 
-# A loop step: qb query blocks q [qb, B, K, G, bq, H] (ids [qb, B, bq]), each against its own
-# key run (``first``, ``count`` [qb, B] blocks of the virtual key layout), ck key blocks per
-# inner step, as many steps as ``chunks``. Flash attention's arithmetic: an online softmax
-# forward that keeps each query's log-sum-exp, and a backward pass that recomputes the
-# probabilities from it (no softmax to differentiate, none stored): elementwise work is
-# what bounds attention on a CPU. Key chunks are gathered from the layout inside the loop,
-# so no [query block x key block] copy of the keys exists.
-def _key_chunk(keys, first, count, i, ck):
-    """Chunk i of every query block's key run: (index [qb, B, ck], k, v, mask inputs)."""
-    k_v, v_v, seg_v, blk_v = keys
-    offset = i * ck + jnp.arange(ck, dtype=jnp.int32)
-    index = first[..., None] + offset  # [qb, B, ck]
-    rows = jnp.arange(first.shape[1])[None, :, None]
-    valid = offset < count[..., None]
-    return index, k_v[rows, index], v_v[rows, index], seg_v[rows, index], blk_v[rows, index], valid
+# One step: qb tiles' (scaled) queries q [qb, K, G, rows, H] with ids [qb, rows], each tile's
+# batch row, first slot of its key run and trip count [qb], against chunks of ``width`` key
+# slots sliced from the heads-major layout (contiguous: no gather, no transposed copy; a tile
+# past its trip count sees no key). Flash attention's
+# arithmetic: an online softmax forward that keeps each query's log-sum-exp, and a backward
+# pass that recomputes the probabilities from it (no softmax to differentiate, none stored):
+# elementwise work is what bounds attention on a CPU.
+def _key_runs(keys, row, first_slot, trips, span, width):
+    """The ids of each tile's key run [qb, span] (none past its trip count), sliced once per
+    step: fused into a step's exponentials, per-tile slices of them were recomputed per logit."""
+    _, _, seg_l, blk_l = keys
+
+    def ids(j):
+        seg = jax.lax.dynamic_slice(seg_l, (row[j], first_slot[j]), (1, span))
+        blk = jax.lax.dynamic_slice(blk_l, (row[j], first_slot[j]), (1, span))
+        return jnp.where(jnp.arange(span) < trips[j] * width, seg, 0), blk
+
+    parts = [ids(j) for j in range(row.shape[0])]
+    return row, first_slot, jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts])
 
 
-def _mask(q_seg, q_blk, k_seg, k_blk, valid):  # [qb, B, bq, ck, bk]
+def _key_chunk(keys, runs, i, width):
+    """Chunk i of every tile's key run: k, v [qb, K, C, H] and ids [qb, C]."""
+    k_l, v_l = keys[0], keys[1]
+    row, first_slot, seg, blk = runs
+    heads, depth = k_l.shape[1], k_l.shape[3]
+
+    def one(x, j):
+        return jax.lax.dynamic_slice(x, (row[j], 0, first_slot[j] + i * width, 0), (1, heads, width, depth))
+
+    tiles = range(row.shape[0])
     return (
-        (q_seg[..., None, None] == k_seg[:, :, None])
-        & (k_seg[:, :, None] != 0)
-        & (k_blk[:, :, None] <= q_blk[..., None, None])
-        & valid[:, :, None, :, None]
+        jnp.concatenate([one(k_l, j) for j in tiles]),
+        jnp.concatenate([one(v_l, j) for j in tiles]),
+        jax.lax.dynamic_slice_in_dim(seg, i * width, width, axis=1),
+        jax.lax.dynamic_slice_in_dim(blk, i * width, width, axis=1),
     )
 
 
-def _logits(q, k, mask):
-    s = jnp.einsum(_LOGITS, q, k, preferred_element_type=jnp.float32)
-    return jnp.where(mask[:, :, None, None], s, _NEG)  # [qb, B, K, G, bq, ck, bk]
+def _logits(q, q_seg, q_blk, k_i, seg, blk):
+    mask = (q_seg[..., None] == seg[:, None]) & (seg[:, None] != 0) & (blk[:, None] <= q_blk[..., None])
+    s = jnp.einsum("jkgqh,jkch->jkgqc", q, k_i, preferred_element_type=jnp.float32)
+    return jnp.where(mask[:, None, None], s, _NEG)  # mask [qb, rows, C]
 
 
-def _step_forward(query, keys, ck):
-    q, q_seg, q_blk, first, count, chunks = query
-    stats = q.shape[:-1]  # [qb, B, K, G, bq]
+def _tile_forward(tile, keys, sizes):
+    q, q_seg, q_blk, row, first_slot, trips = tile
+    width = sizes[0]
+    runs = _key_runs(keys, row, first_slot, trips, sizes[1], width)
+    stats = q.shape[:-1]  # [qb, K, G, rows]
 
     def body(i, carry):
         m, total, acc = carry
-        _, k_i, v_i, k_seg, k_blk, valid = _key_chunk(keys, first, count, i, ck)
-        s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid))
-        m_new = jnp.maximum(m, jnp.max(s, axis=(-2, -1)))
+        k_i, v_i, seg, blk = _key_chunk(keys, runs, i, width)
+        s = _logits(q, q_seg, q_blk, k_i, seg, blk)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         shift = jnp.where(m_new > _NEG, m_new, 0.0)  # nothing seen yet: every exp is 0
-        p = jnp.exp(s - shift[..., None, None])
+        p = jnp.exp(s - shift[..., None])
         alpha = jnp.exp(m - shift)
-        total = total * alpha + jnp.sum(p, axis=(-2, -1))
-        pv = jnp.einsum("jbkgqct,jbctkh->jbkgqh", p.astype(v_i.dtype), v_i, preferred_element_type=jnp.float32)
-        acc = acc * alpha[..., None] + pv
-        return m_new, total, acc
+        total = total * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("jkgqc,jkch->jkgqh", p.astype(v_i.dtype), v_i, preferred_element_type=jnp.float32)
+        return m_new, total, acc * alpha[..., None] + pv
 
     init = (jnp.full(stats, _NEG, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(q.shape, jnp.float32))
-    m, total, acc = jax.lax.fori_loop(0, chunks, body, init)
+    m, total, acc = jax.lax.fori_loop(0, jnp.max(trips), body, init)
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
     out = acc * jnp.where(seen, 1.0 / safe, 0.0)[..., None]
@@ -265,58 +332,70 @@ def _step_forward(query, keys, ck):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _attend(query, keys, ck: int):
-    """Every loop step's (scaled) query blocks [groups, qb, ...] against their key runs."""
-    return _attend_fwd(query, keys, ck)[0]
+def _attend(tile, keys, sizes: tuple[int, int]):
+    """Every step's tiles [steps, qb, K, G, rows, H] against their key runs; ``sizes``: key
+    slots per chunk and at most per run."""
+    return _attend_fwd(tile, keys, sizes)[0]
 
 
 def _deal(tree, i):  # loop i's steps: i, i + P, i + 2P, ...
     return jax.tree.map(lambda x: x[i::_PARALLEL_LOOPS], tree)
 
 
-def _gather_back(parts):  # [groups / P, ...] per loop -> [groups, ...] in step order
+def _gather_back(parts):  # [steps / P, ...] per loop -> [steps, ...] in step order
     return jnp.stack(parts, axis=1).reshape(-1, *parts[0].shape[1:])
 
 
-def _attend_fwd(query, keys, ck):
-    parts = [jax.lax.map(lambda a: _step_forward(a, keys, ck), _deal(query, i)) for i in range(_PARALLEL_LOOPS)]
+def _attend_fwd(tile, keys, sizes):
+    parts = [jax.lax.map(lambda a: _tile_forward(a, keys, sizes), _deal(tile, i)) for i in range(_PARALLEL_LOOPS)]
     out, lse = _gather_back([p[0] for p in parts]), _gather_back([p[1] for p in parts])
-    return out.astype(query[0].dtype), (query, keys, out, lse)
+    return out.astype(tile[0].dtype), (tile, keys, out, lse)
 
 
-def _attend_bwd(ck, residuals, g_out):
-    query, keys, out, lse = residuals
-    k_v, v_v = keys[0], keys[1]
-    rows = jnp.arange(k_v.shape[0])[None, :, None]
+def _attend_bwd(sizes, residuals, g_out):
+    tile, keys, out, lse = residuals
+    k_l, v_l = keys[0], keys[1]
+    width, span = sizes
 
-    def step(carry, xs):  # one loop step's query blocks; dk, dv of the whole layout carried
-        (q, q_seg, q_blk, first, count, chunks), out_j, lse_j, g = xs
-        delta = jnp.sum(g.astype(jnp.float32) * out_j, axis=-1)  # [qb, B, K, G, bq]
+    # A tile's key and value gradients gather in buffers of its run's size ([K, H, span],
+    # transposed: the probabilities need no transposed copy), added to the layout's after its
+    # loop: the loop does not carry (and copy) the whole layout's.
+    def step(carry, xs):  # one tile; dk, dv of the whole layout carried
+        (q, q_seg, q_blk, row, first_slot, trips), out_j, lse_j, g = xs
+        delta = jnp.sum(g.astype(jnp.float32) * out_j, axis=-1)  # [qb, K, G, rows]
+        runs = _key_runs(keys, row, first_slot, trips, span, width)
 
         def body(i, inner):
             dq, dk, dv = inner
-            index, k_i, v_i, k_seg, k_blk, valid = _key_chunk(keys, first, count, i, ck)
-            s = _logits(q, k_i, _mask(q_seg, q_blk, k_seg, k_blk, valid))
-            p = jnp.exp(s - lse_j[..., None, None])  # masked logits and unseen queries: exactly 0
-            dv_i = jnp.einsum("jbkgqct,jbkgqh->jbctkh", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("jbkgqh,jbctkh->jbkgqct", g, v_i, preferred_element_type=jnp.float32)
-            ds = p * (dp - delta[..., None, None])
-            dq = dq + jnp.einsum(
-                "jbkgqct,jbctkh->jbkgqh", ds.astype(k_i.dtype), k_i, preferred_element_type=jnp.float32
-            )
-            dk_i = jnp.einsum("jbkgqct,jbkgqh->jbctkh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
-            return dq, dk.at[rows, index].add(dk_i), dv.at[rows, index].add(dv_i)
+            k_i, v_i, seg, blk = _key_chunk(keys, runs, i, width)
+            p = jnp.exp(_logits(q, q_seg, q_blk, k_i, seg, blk) - lse_j[..., None])  # masked, unseen: 0
+            dv_i = jnp.einsum("jkgqh,jkgqc->jkhc", g, p.astype(g.dtype), preferred_element_type=jnp.float32)
+            dp = jnp.einsum("jkgqh,jkch->jkgqc", g, v_i, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta[..., None])
+            dq = dq + jnp.einsum("jkgqc,jkch->jkgqh", ds.astype(k_i.dtype), k_i, preferred_element_type=jnp.float32)
+            dk_i = jnp.einsum("jkgqh,jkgqc->jkhc", q, ds.astype(q.dtype), preferred_element_type=jnp.float32)
+            at = (0, 0, 0, i * width)
+            return dq, _add_at(dk, dk_i, at), _add_at(dv, dv_i, at)
 
-        dq, dk, dv = jax.lax.fori_loop(0, chunks, body, (jnp.zeros(q.shape, jnp.float32), *carry))
-        return (dk, dv), dq
+        run = jnp.zeros((q.shape[0], k_l.shape[1], k_l.shape[3], span), jnp.float32)  # [qb, K, H, span]
+        dq, dk, dv = jax.lax.fori_loop(0, jnp.max(trips), body, (jnp.zeros(q.shape, jnp.float32), run, run))
+        for j in range(q.shape[0]):  # tiles of one step may share keys: added one after another
+            at = (row[j], 0, 0, first_slot[j])
+            carry = (_add_at(carry[0], dk[j : j + 1], at), _add_at(carry[1], dv[j : j + 1], at))
+        return carry, dq
 
-    zero = (jnp.zeros(k_v.shape, jnp.float32), jnp.zeros(v_v.shape, jnp.float32))
-    parts = [jax.lax.scan(step, zero, _deal((query, out, lse, g_out), i)) for i in range(_PARALLEL_LOOPS)]
-    dk, dv = sum(p[0][0] for p in parts), sum(p[0][1] for p in parts)
+    transposed = (*k_l.shape[:2], k_l.shape[3], k_l.shape[2])  # [B, K, H, slots]
+    zero = (jnp.zeros(transposed, jnp.float32), jnp.zeros(transposed, jnp.float32))
+    parts = [jax.lax.scan(step, zero, _deal((tile, out, lse, g_out), i)) for i in range(_PARALLEL_LOOPS)]
+    dk, dv = (sum(p[0][i] for p in parts).swapaxes(2, 3) for i in (0, 1))
     dq = _gather_back([p[1] for p in parts])
     float0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
-    d_query = (dq.astype(query[0].dtype), *(float0(x) for x in query[1:]))
-    return d_query, (dk.astype(k_v.dtype), dv.astype(v_v.dtype), float0(keys[2]), float0(keys[3]))
+    d_tile = (dq.astype(tile[0].dtype), *(float0(x) for x in tile[1:]))
+    return d_tile, (dk.astype(k_l.dtype), dv.astype(v_l.dtype), float0(keys[2]), float0(keys[3]))
+
+
+def _add_at(total, part, index):  # total[index : index + part.shape] += part
+    return jax.lax.dynamic_update_slice(total, jax.lax.dynamic_slice(total, index, part.shape) + part, index)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
