@@ -18,12 +18,13 @@ Compute. Queries go in *tiles*: up to four consecutive query blocks of one segme
 to end with it (overlapping its predecessor, whose rows it recomputes). A tile needs the
 key blocks of its segment's run up to the last one holding a key it can see (a causal tile:
 those up to its last row; a short sample's: its own few). Every row's tiles are sorted by
-that need, neediest first, and dealt to two independent loops that run side by side, one
-tile per step; inside a step a loop with a data-dependent trip count takes four key blocks
-at a time, a contiguous slice of the keys' heads-major layout ([B, K, slots, H]: no gather,
-no transposed copy), with an online softmax. All of a tile's rows share each key chunk, so
-a loop step is a few large matmuls (tile rows x key chunk per key head) rather than one per
-query block. The loops have their own VJP with flash attention's arithmetic: the forward
+that need, neediest first, and dealt to two independent loops that run side by side, four
+query blocks per step (one tile of four, or four one-block tiles where a block alone has
+512 rows: π0.5's 8 query heads over 1); inside a step a loop with a data-dependent trip
+count takes four key blocks at a time, a contiguous slice of the keys' heads-major layout
+([B, K, slots, H]: no gather, no transposed copy), with an online softmax. All of a tile's
+rows share each key chunk, so a loop step is a few large matmuls (tile rows x key chunk per
+key head) rather than one per query block. The loops have their own VJP with flash attention's arithmetic: the forward
 pass keeps each query's log-sum-exp, the backward pass recomputes the probabilities from it
 (no softmax to differentiate, none stored) and sums a tile's key and value gradients in a
 buffer of one key run (transposed, [K, H, run]: the probabilities need no transposed copy)
@@ -35,9 +36,8 @@ Cost: the visible block pairs, rounded up to whole tiles and to groups of four k
 for GR00T's 300-900-token samples: XLA-counted loop FLOPs of the packed ``gr00t_bench``
 step), against B x L^2 for the same samples padded to L. Memory: the virtual layouts (O(T))
 and one loop step's logits. On a CPU each op of a loop step has a fixed cost, so finer tiles
-or chunks (less rounding) do not pay:
-query tiles of 128-512 rows and key chunks of 128-512 keys measured within noise of each
-other for GR00T's and π0.5's layouts.
+or chunks (less rounding) do not pay: query tiles of 128-512 rows and key chunks of 128-512
+keys measured within noise of each other for GR00T's and π0.5's layouts.
 
 Everything is gathers, einsums and exponentials, so XLA compiles it on CPU and GPU. The
 bounds must hold: a row with more segments than ``max_segments`` or a segment longer than
@@ -262,13 +262,14 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 # One step: qb tiles' (scaled) queries q [qb, K, G, rows, H] with ids [qb, rows], each tile's
 # batch row, first slot of its key run and trip count [qb], against chunks of ``width`` key
 # slots sliced from the heads-major layout (contiguous: no gather, no transposed copy; a tile
-# past its trip count sees no key). Flash attention's
-# arithmetic: an online softmax forward that keeps each query's log-sum-exp, and a backward
-# pass that recomputes the probabilities from it (no softmax to differentiate, none stored):
-# elementwise work is what bounds attention on a CPU.
+# past its trip count sees no key). Flash attention's arithmetic: an online softmax forward
+# that keeps each query's log-sum-exp, and a backward pass that recomputes the probabilities
+# from it (no softmax to differentiate, none stored): elementwise work is what bounds
+# attention on a CPU.
 def _key_runs(keys, row, first_slot, trips, span, width):
-    """The ids of each tile's key run [qb, span] (none past its trip count), sliced once per
-    step: fused into a step's exponentials, per-tile slices of them were recomputed per logit."""
+    """A step's tiles (rows, first slots) and the ids of each one's key run [qb, span], none past
+    its trip count. The ids are sliced once per step: sliced per chunk, XLA:CPU fused the slices
+    into the exponentials and recomputed them for every logit."""
     _, _, seg_l, blk_l = keys
 
     def ids(j):
