@@ -175,11 +175,14 @@ def block_sparse_attention(
     run = jnp.sum(tile_end[:, None, :] <= index[None, :, None], axis=-1)  # [B, nt]; R = no tile
     real = run < r
     run = jnp.minimum(run, r - 1)
-    at = lambda x: jnp.take_along_axis(x, run, axis=1)  # noqa: E731
-    local = index[None] - (at(tile_end) - at(tiles))
-    start = at(ql.run_first_block) + jnp.minimum(local * tq, jnp.maximum(at(ql.run_blocks) - tq, 0))
+
+    def of_run(x):  # [B, R] -> each tile's run's value [B, nt]
+        return jnp.take_along_axis(x, run, axis=1)
+
+    local = index[None] - (of_run(tile_end) - of_run(tiles))
+    start = of_run(ql.run_first_block) + jnp.minimum(local * tq, jnp.maximum(of_run(ql.run_blocks) - tq, 0))
     start = jnp.where(real, start, jq)  # no tile: the empty blocks after the layout
-    segment = jnp.where(real, at(ql.run_segment), 0)
+    segment = jnp.where(real, of_run(ql.run_segment), 0)
     query_slots = (jq + tq) * bq
     slot = start[..., None] * bq + jnp.arange(tq * bq, dtype=jnp.int32)  # [B, nt, tq·bq]
     tile_seg = jnp.take_along_axis(virtual(q_seg, ql, query_slots), slot.reshape(b, -1), axis=1).reshape(slot.shape)
