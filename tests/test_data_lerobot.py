@@ -1,6 +1,7 @@
 """Writer -> reader round trips (v2.1, v3.0, hard cases), malformed datasets, modality.json, inspect CLI."""
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 from embodied_jax.data import inspect as inspect_cli
 from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
 from embodied_jax.data.synthetic import decode_frame_id, make_episodes
+from embodied_jax.data.video import encode_video
 from embodied_jax.data.writer import write_lerobot_dataset
 
 FPS = 10
@@ -243,3 +245,11 @@ def test_inspect_module_runs(written, subprocess_env):
     )
     assert result.returncode == 0, result.stderr
     assert "format: LeRobot v2.1" in result.stdout and "episodes: 3" in result.stdout and "video h264" in result.stdout
+
+
+def test_av1_encode_keeps_the_scheduling_policy(tmp_path):
+    """SVT-AV1 raises its caller to SCHED_FIFO where it may (as root); processes started after an
+    encode would run real-time. encode_video restores the caller's policy."""
+    before = (os.sched_getscheduler(0), os.sched_getparam(0))
+    encode_video(tmp_path / "v.mp4", [np.zeros((2, 16, 16, 3), np.uint8)], fps=10, codec="av1")
+    assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before

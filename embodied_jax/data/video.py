@@ -9,6 +9,7 @@ of ``t``. Decoding seeks to the keyframe before the first requested time and dec
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import pathlib
@@ -65,6 +66,11 @@ def encode_video(
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     if codec == "av1":
         _quiet_svt_av1()
+    with _keep_scheduling():
+        return _encode(path, segments, fps, codec, height, width)
+
+
+def _encode(path, segments, fps, codec, height, width) -> list[tuple[float, float]]:
     spans = []
     pts = 0
     with av.open(str(path), "w", format="mp4") as container:
@@ -89,6 +95,23 @@ def encode_video(
         for packet in stream.encode():
             container.mux(packet)
     return spans
+
+
+@contextlib.contextmanager
+def _keep_scheduling():
+    """Restores the calling thread's scheduling policy after an encode: SVT-AV1 raises its
+    caller to SCHED_FIFO where it may (as root), and every process started from the thread
+    afterwards would inherit real-time priority (two such training processes waiting on each
+    other's collectives starved their own parent)."""
+    if not hasattr(os, "sched_getscheduler"):  # not Linux
+        yield
+        return
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != (policy, param):
+            os.sched_setscheduler(0, policy, param)
 
 
 def probe_video(path: str | os.PathLike) -> dict:
