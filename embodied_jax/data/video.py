@@ -66,14 +66,9 @@ def encode_video(
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     if codec == "av1":
         _quiet_svt_av1()
-    with _keep_scheduling():
-        return _encode(path, segments, fps, codec, height, width)
-
-
-def _encode(path, segments, fps, codec, height, width) -> list[tuple[float, float]]:
     spans = []
     pts = 0
-    with av.open(str(path), "w", format="mp4") as container:
+    with _keep_scheduling(), av.open(str(path), "w", format="mp4") as container:
         stream = container.add_stream(CODEC_ENCODERS[codec], rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = encoder_options(codec)

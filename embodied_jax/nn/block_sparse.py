@@ -91,7 +91,6 @@ class _Layout:
     run_segment: jax.Array  # int32 [B, R]: segment id of each run, 0 when absent
     run_first_block: jax.Array  # int32 [B, R]
     run_blocks: jax.Array  # int32 [B, R]
-    block_segment: jax.Array  # int32 [B, J]: segment id of each virtual block, 0 when empty
 
 
 def _layout(segment_ids, max_segments: int, block: int, num_blocks: int) -> _Layout:
@@ -118,12 +117,7 @@ def _layout(segment_ids, max_segments: int, block: int, num_blocks: int) -> _Lay
     slot = jnp.where(real & (slot < v), slot, v)
     dest = jnp.zeros((b, t), jnp.int32).at[rows, order].set(slot)
     source = jnp.full((b, v + 1), t, jnp.int32).at[rows, slot].set(order.astype(jnp.int32))[:, :v]
-    block_index = jnp.arange(num_blocks, dtype=jnp.int32)
-    inside = (block_index[None, None, :] >= run_first_block[:, :, None]) & (
-        block_index[None, None, :] < (run_first_block + run_blocks)[:, :, None]
-    )  # [B, R, J]
-    block_segment = jnp.max(jnp.where(inside, run_segment[:, :, None], 0), axis=1)
-    return _Layout(source, dest, run_segment, run_first_block, run_blocks, block_segment)
+    return _Layout(source, dest, run_segment, run_first_block, run_blocks)
 
 
 def block_sparse_attention(
@@ -185,8 +179,11 @@ def block_sparse_attention(
     segment = jnp.where(real, of_run(ql.run_segment), 0)
     query_slots = (jq + tq) * bq
     slot = start[..., None] * bq + jnp.arange(tq * bq, dtype=jnp.int32)  # [B, nt, tq·bq]
-    tile_seg = jnp.take_along_axis(virtual(q_seg, ql, query_slots), slot.reshape(b, -1), axis=1).reshape(slot.shape)
-    tile_blk = jnp.take_along_axis(virtual(q_blk, ql, query_slots), slot.reshape(b, -1), axis=1).reshape(slot.shape)
+
+    def tiled(x):  # [B, T, ...] -> each tile's rows [B, nt, tq·bq, ...]
+        return virtual(x, ql, query_slots)[rows[..., None], slot]
+
+    tile_seg, tile_blk = tiled(q_seg), tiled(q_blk)
     own = (tile_seg == segment[..., None]) & (segment[..., None] != 0)  # rows this tile answers for
 
     # Each tile's key run (its segment's) and how many of its blocks it needs: up to the last
@@ -219,9 +216,7 @@ def block_sparse_attention(
         return x.reshape(steps // qb, qb, *x.shape[1:])
 
     tile_rows = tq * bq
-    qv = virtual(q, ql, query_slots)  # [B, slots, N, H]
-    q_tiles = qv[rows[..., None], slot]  # [B, nt, tq·bq, N, H]
-    q_tiles = q_tiles.reshape(b, nt, tile_rows, kv_heads, g, h).transpose(0, 1, 3, 4, 2, 5)  # heads-major
+    q_tiles = tiled(q).reshape(b, nt, tile_rows, kv_heads, g, h).transpose(0, 1, 3, 4, 2, 5)  # heads-major
     q_tiles = q_tiles * jnp.asarray(scale, q_tiles.dtype)  # the loops' logits need no multiply
     tile = (
         sorted_steps(q_tiles),
