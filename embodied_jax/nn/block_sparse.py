@@ -133,7 +133,7 @@ def block_sparse_attention(
     jk = virtual_blocks(s, r, bk)
     c = min(jk, math.ceil(bounds.max_kv_len / bk))  # key blocks one query block can need
     ck = min(_KEY_BLOCKS_PER_STEP, c)  # key blocks per inner step
-    tq = _tile_blocks(jq, g, bq)  # query blocks per tile
+    tq = _tile_blocks(min(jq, math.ceil(min(bounds.max_q_len, t) / bq)), g, bq)  # query blocks per tile
     # tiles per row: a segment of L tokens has ceil(L / (tq·bq)) of them
     nt = min(virtual_blocks(t, r, tq * bq), r * math.ceil(min(bounds.max_q_len, t) / (tq * bq)))
     q_seg = jnp.asarray(q_segment_ids, jnp.int32)
@@ -205,7 +205,7 @@ def block_sparse_attention(
     # tile of four, or four of one when a block alone has ``_TILE_ROWS`` rows), the steps dealt
     # round-robin to the parallel loops.
     total = b * nt
-    qb = max(1, min(total, _MAX_TILE_BLOCKS // tq))
+    qb = max(1, min(total, _STEP_BLOCKS // tq))
     steps = -(-total // (qb * _PARALLEL_LOOPS)) * _PARALLEL_LOOPS * qb  # tiles in all steps
     order = jnp.argsort(-trips.reshape(-1), stable=True).astype(jnp.int32)
     order = jnp.concatenate([order, jnp.full((steps - total,), total, jnp.int32)])  # pad: an empty tile
@@ -241,14 +241,17 @@ def block_sparse_attention(
 
 def _tile_blocks(query_blocks: int, group: int, block: int) -> int:
     """Query blocks per tile: about ``_TILE_ROWS`` rows of logits per key head (``group`` query
-    heads share one), at most ``_MAX_TILE_BLOCKS``."""
+    heads share one), at most ``_MAX_TILE_BLOCKS`` and the blocks of the longest run."""
     return max(1, min(query_blocks, _MAX_TILE_BLOCKS, _TILE_ROWS // (group * block)))
 
 
-# A tile's logits per key head have about this many rows: larger matmuls than one block's on a
-# CPU, and little waste at the end of a segment's run.
+# A tile's logits per key head have about this many rows: XLA:CPU's matmuls split their rows
+# between the cores, and [256, 64] x [64, 256] per head ran at half the rate of [512, 64] x
+# [64, 256] (101 against 176 GFLOP/s); little waste at the end of a segment's run.
 _TILE_ROWS = 512
-_MAX_TILE_BLOCKS = 4
+_MAX_TILE_BLOCKS = 8
+# Query blocks per loop step: one tile, or several one-block tiles side by side.
+_STEP_BLOCKS = 4
 # Key blocks per inner step: a step's logits ([K, G, tile rows, ck·bk]) still fit in cache.
 _KEY_BLOCKS_PER_STEP = 4
 # Steps are dealt round-robin to this many independent loops, which XLA:CPU runs side by side
