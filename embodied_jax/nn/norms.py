@@ -31,6 +31,20 @@ def layer_normalize(x, eps: float):
     return (x32 - mean) * jax.lax.rsqrt(var + eps)
 
 
+def per_feature(y, scale=None, shift=None):
+    """``y * scale + shift`` with parameters [dim] over y's last axis, on a [tokens, dim] view.
+
+    The view matters on XLA:CPU: the parameters' gradients reduce over every token, and over
+    [1, T, dim] (one packed row) it reduces the middle axis about ten times slower than over
+    [T, dim] (17 ms against 1.2 ms for 4480 tokens of width 512)."""
+    flat = y.reshape(-1, y.shape[-1])
+    if scale is not None:
+        flat = flat * scale
+    if shift is not None:
+        flat = flat + shift
+    return flat.reshape(y.shape)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm with param ``scale`` [dim]: Gemma ``(1 + scale)`` (zeros init) or Llama/Qwen ``scale``."""
 
@@ -53,7 +67,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         scale = self.scale[...].astype(jnp.float32)
-        y = rms_normalize(x, self.eps) * ((1.0 + scale) if self.zero_centered else scale)
+        y = per_feature(rms_normalize(x, self.eps), (1.0 + scale) if self.zero_centered else scale)
         return y.astype(self.dtype or x.dtype)
 
 
@@ -118,12 +132,9 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), out_sharding=("norm",)) if use_bias else None
 
     def __call__(self, x):
-        y = layer_normalize(x, self.eps)
-        if self.scale is not None:
-            y = y * self.scale[...].astype(jnp.float32)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(self.dtype or x.dtype)
+        scale = None if self.scale is None else self.scale[...].astype(jnp.float32)
+        bias = None if self.bias is None else self.bias[...].astype(jnp.float32)
+        return per_feature(layer_normalize(x, self.eps), scale, bias).astype(self.dtype or x.dtype)
 
 
 class AdaLayerNorm(nnx.Module):
