@@ -2,6 +2,7 @@
 preprocessing (nn.image) and modules in raw JAX loops (nn.traced) vs the forms they replaced."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -141,6 +142,52 @@ def test_rope_rotate_half():
         want[..., k + half] = b * np.cos(angle) + a * np.sin(angle)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert rope.apply_rope(jnp.asarray(x, jnp.bfloat16), pos).dtype == jnp.bfloat16
+
+
+def _fusions_with(hlo: str, opcode: str) -> list[int]:
+    """Output element counts of the fusions in compiled HLO whose body holds ``opcode``."""
+    bodies = dict(re.findall(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
+    sizes = []
+    for shape, body in re.findall(r"= f32\[([\d,]*)\][^\n]* fusion\([^\n]*calls=%([\w.\-]+)", hlo):
+        if f" {opcode}(" in bodies.get(body, ""):
+            sizes.append(math.prod(int(d) for d in shape.split(",") if d))
+    return sizes
+
+
+def test_rope_tables_are_computed_once_per_position():
+    """XLA:CPU would fuse sin/cos into each consumer and evaluate them per element of
+    [B, T, N, H] (heads and both halves: 16x the tables here); they stay [B, T, H/2]."""
+    b, t, n, h = 1, 64, 8, 16
+    x = jnp.asarray(rand((b, t, n, h), 15))
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    hlo = jax.jit(lambda x, p: rope.apply_rope(x, p)[:, ::2] * 2.0).lower(x, pos).compile().as_text()
+    sizes = _fusions_with(hlo, "sine") + _fusions_with(hlo, "cosine")
+    assert sizes and max(sizes) <= b * t * h, sizes
+
+
+def _reduced_axes(hlo: str) -> list[tuple[list[int], list[int]]]:
+    """(operand shape, reduced dimensions) of every reduce in compiled HLO."""
+    shapes = dict(re.findall(r"%([\w.\-]+) = f32\[([\d,]*)\]", hlo))
+    found = []
+    for operand, dims in re.findall(r"reduce\(%([\w.\-]+), [^\n]*dimensions=\{([\d,]*)\}", hlo):
+        shape = [int(d) for d in shapes.get(operand, "").split(",") if d]
+        found.append((shape, [int(d) for d in dims.split(",") if d]))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norm_parameter_gradients_reduce_a_token_major_view(kind):
+    """The parameters' gradients over one packed row [1, T, D] reduce [T, D] over its first axis:
+    XLA:CPU reduced the middle axis of [1, T, D] about ten times slower."""
+    x = jnp.asarray(rand((1, 64, 8), 16))
+    graphdef, params = nnx.split(getattr(norms, kind)(8))
+    hlo = jax.jit(jax.grad(lambda p: jnp.sum(jnp.tanh(nnx.merge(graphdef, p)(x))))).lower(params).compile().as_text()
+    reduces = _reduced_axes(hlo)
+    assert reduces and all(shape for shape, _ in reduces), reduces
+    middle = [
+        (shape, dims) for shape, dims in reduces if shape[:1] == [1] and 0 not in dims and len(shape) - 1 not in dims
+    ]
+    assert not middle, middle
 
 
 def test_time_embeddings():
