@@ -13,31 +13,33 @@ block boundary; padding tokens are dropped. Static sizes come from ``SegmentBoun
 needs ``min(T, (T + R (b - 1)) // b)`` blocks, and a query block needs at most
 ``ceil(max_kv_len / b)`` key blocks, those of its own segment's run.
 
-Compute. Queries go in *tiles*: up to four consecutive query blocks of one segment's run
-(about 512 rows of logits per key head: ``_TILE_ROWS``), the last tile of a run moved back
-to end with it (overlapping its predecessor, whose rows it recomputes). A tile needs the
-key blocks of its segment's run up to the last one holding a key it can see (a causal tile:
-those up to its last row; a short sample's: its own few). Every row's tiles are sorted by
-that need, neediest first, and dealt to two independent loops that run side by side, four
-query blocks per step (one tile of four, or four one-block tiles where a block alone has
-512 rows: π0.5's 8 query heads over 1); inside a step a loop with a data-dependent trip
-count takes four key blocks at a time, a contiguous slice of the keys' heads-major layout
-([B, K, slots, H]: no gather, no transposed copy), with an online softmax. All of a tile's
-rows share each key chunk, so a loop step is a few large matmuls (tile rows x key chunk per
-key head) rather than one per query block. The loops have their own VJP with flash attention's arithmetic: the forward
-pass keeps each query's log-sum-exp, the backward pass recomputes the probabilities from it
-(no softmax to differentiate, none stored) and sums a tile's key and value gradients in a
-buffer of one key run (transposed, [K, H, run]: the probabilities need no transposed copy)
-that is then added into the layout's. The outputs are gathered back to the original token
-order (zeros where a query sees no key).
+Compute. Queries go in *tiles*: consecutive query blocks of one segment's run, about 512
+rows of logits per key head (``_TILE_ROWS``: eight blocks of 64 with one query head per key
+head, four with two, one with eight), never more blocks than the longest run, the last tile
+of a run moved back to end with it (overlapping its predecessor, whose rows it recomputes).
+A tile needs the key blocks of its segment's run up to the last one holding a key it can see
+(a causal tile: those up to its last row; a short sample's: its own few). Every row's tiles
+are sorted by that need, neediest first, and dealt to two independent loops, one tile per
+step (or four one-block tiles where a block alone has 512 rows: π0.5's 8 query heads over 1).
+Inside a step a loop with a data-dependent trip count takes four key blocks at a time, a
+contiguous slice of the keys' heads-major layout ([B, K, slots, H]: no gather, no transposed
+copy), with an online softmax. All of a tile's rows share each key chunk, so a loop step is a
+few large matmuls (tile rows x key chunk per key head) rather than one per query block. The
+loops have their own VJP with flash attention's arithmetic: the forward pass keeps each
+query's log-sum-exp, the backward pass recomputes the probabilities from it (no softmax to
+differentiate, none stored) and sums a tile's key and value gradients in a buffer of one key
+run (transposed, [K, H, run]: the probabilities need no transposed copy) that is then added
+into the layout's. The outputs are gathered back to the original token order (zeros where a
+query sees no key).
 
 Cost: the visible block pairs, rounded up to whole tiles and to groups of four key blocks
 (the real query-key pairs of the row's samples times about 1.7 bidirectional, 2.2 causal
 for GR00T's 300-900-token samples: XLA-counted loop FLOPs of the packed ``gr00t_bench``
 step), against B x L^2 for the same samples padded to L. Memory: the virtual layouts (O(T))
 and one loop step's logits. On a CPU each op of a loop step has a fixed cost, so finer tiles
-or chunks (less rounding) do not pay: query tiles of 128-512 rows and key chunks of 128-512
-keys measured within noise of each other for GR00T's and π0.5's layouts.
+or chunks (less rounding) do not pay, and XLA:CPU splits a matmul between the cores by its
+rows: a tile of 256 rows per key head ran its matmuls at about half the rate of one of 512
+(GR00T's VL adapter, 8 query heads over 8: its attention 1.3x faster with 512).
 
 Everything is gathers, einsums and exponentials, so XLA compiles it on CPU and GPU. The
 bounds must hold: a row with more segments than ``max_segments`` or a segment longer than
@@ -201,9 +203,9 @@ def block_sparse_attention(
     need = jnp.max(jnp.where(sees, step + 1, 0), axis=-1)  # [B, nt] key blocks
     trips = (need + ck - 1) // ck
 
-    # Steps: every row's tiles, most key chunks first, qb tiles per step (four query blocks: one
-    # tile of four, or four of one when a block alone has ``_TILE_ROWS`` rows), the steps dealt
-    # round-robin to the parallel loops.
+    # Steps: every row's tiles, most key chunks first, qb tiles per step (one tile of four or
+    # more query blocks, or four of one when a block alone has ``_TILE_ROWS`` rows), the steps
+    # dealt round-robin to the parallel loops.
     total = b * nt
     qb = max(1, min(total, _STEP_BLOCKS // tq))
     steps = -(-total // (qb * _PARALLEL_LOOPS)) * _PARALLEL_LOOPS * qb  # tiles in all steps
@@ -250,12 +252,14 @@ def _tile_blocks(query_blocks: int, group: int, block: int) -> int:
 # [64, 256] (101 against 176 GFLOP/s); little waste at the end of a segment's run.
 _TILE_ROWS = 512
 _MAX_TILE_BLOCKS = 8
-# Query blocks per loop step: one tile, or several one-block tiles side by side.
+# Query blocks per loop step: one tile, or several small tiles side by side (their key chunks
+# concatenated: more tiles per step measured slower).
 _STEP_BLOCKS = 4
 # Key blocks per inner step: a step's logits ([K, G, tile rows, ck·bk]) still fit in cache.
 _KEY_BLOCKS_PER_STEP = 4
-# Steps are dealt round-robin to this many independent loops, which XLA:CPU runs side by side
-# (a loop's small ops alone leave a core idle).
+# Steps are dealt round-robin to this many independent loops. They helped when a step's ops
+# were small; with 512-row tiles one op keeps both cores busy and XLA:CPU's profile shows one op
+# at a time: one loop and two measured the same (GR00T's adapter and LLM, π0.5's prefix).
 _PARALLEL_LOOPS = 2
 _NEG = float(jnp.finfo(jnp.float32).min)
 
