@@ -56,8 +56,16 @@ def check_equal(q, k, v, q_seg, kv_seg, q_blk, kv_blk, bounds, scale=0.25):
 
 @pytest.mark.parametrize(
     "structure,heads,kv_heads,block",
-    # ("none", 6, 6, 2): tiles of eight blocks, runs of up to ten (the last tile moved back)
-    [("none", 4, 1, 8), ("causal", 4, 2, 4), ("general", 2, 2, 16), ("causal", 8, 1, 32), ("none", 6, 6, 2)],
+    # ("causal", 6, 6, 2): tiles of eight blocks, runs of up to ten (the last tile moved back);
+    # ("none", 1, 1, 1): whole-segment tiles of sixteen blocks, runs of up to nineteen
+    [
+        ("none", 4, 1, 8),
+        ("causal", 4, 2, 4),
+        ("general", 2, 2, 16),
+        ("causal", 8, 1, 32),
+        ("causal", 6, 6, 2),
+        ("none", 1, 1, 1),
+    ],
 )
 def test_self_attention_equals_dense(structure, heads, kv_heads, block):
     rng = np.random.default_rng([heads, kv_heads, block])
@@ -113,6 +121,27 @@ def test_kv_cache_form_equals_dense():
     check_equal(q, k_all, v_all, suffix_seg, seg, suffix_blk, blk, bounds, scale=0.3)
 
 
+def test_whole_segments_promise_takes_full_attention_tiles():
+    """``whole_segments=True`` with zero block ids: the same result as the dense reference,
+    through the block-sparse form's larger full-attention tiles (a different program)."""
+    rng = np.random.default_rng(3)
+    seg, _ = random_packing(rng, 2, 96, 40, "none")
+    zeros = np.zeros_like(seg)
+    q = rng.standard_normal((2, 96, 2, 8)).astype(np.float32)
+    bounds = SegmentBounds(max_segments=int(seg.max()), max_q_len=40, max_kv_len=40, block_size=2)
+    kwargs = dict(q_segment_ids=seg, kv_segment_ids=seg, q_block_ids=zeros, kv_block_ids=zeros)
+
+    def sparse(whole):
+        return jax.jit(
+            lambda q: attn.attention(q, q, q, impl="blocksparse", bounds=bounds, whole_segments=whole, **kwargs)
+        )
+
+    want = np.asarray(attn.attention(q, q, q, impl="xla", **kwargs))
+    for whole in (False, True):
+        np.testing.assert_allclose(np.asarray(sparse(whole)(q)), want, atol=1e-6, rtol=1e-6)
+    assert sparse(True).lower(q).as_text() != sparse(False).lower(q).as_text()
+
+
 def test_dispatch_uses_block_sparse_for_packed_rows_on_cpu():
     rng = np.random.default_rng(2)
     seg, _ = random_packing(rng, 2, 24, 8, "none")
@@ -137,13 +166,18 @@ def _flops(fn, *args):
     return dot_flops(jax.jit(fn).lower(*args).compile().as_text())
 
 
-def test_flops_of_eight_equal_segments_near_visible_block_pairs():
-    t, length, block, n, h = 2048, 256, 64, 4, 64
+@pytest.mark.parametrize("blocks", ["none", "zeros"])
+def test_flops_of_eight_equal_segments_near_visible_block_pairs(blocks):
+    """Whole segments (no block ids) and explicit zero block ids (tiles for a general block
+    structure); segments of two blocks, so that every tile needs one key chunk and the count
+    (the data-dependent inner loop counted once) is the whole work."""
+    t, length, block, n, h = 1024, 128, 64, 4, 64
     seg = np.repeat(np.arange(1, 9, dtype=np.int32), length)[None]
     q = jnp.zeros((1, t, n, h), jnp.float32)
     k = jnp.zeros((1, t, 1, h), jnp.float32)
     bounds = SegmentBounds(max_segments=8, max_q_len=length, max_kv_len=length, block_size=block)
-    sparse = _flops(lambda q, k: block_sparse_attention(q, k, k, seg, seg, None, None, scale=0.1, bounds=bounds), q, k)
+    ids = None if blocks == "none" else np.zeros_like(seg)
+    sparse = _flops(lambda q, k: block_sparse_attention(q, k, k, seg, seg, ids, ids, scale=0.1, bounds=bounds), q, k)
     visible_pairs = 8 * (length // block) ** 2
     pair_flops = 2 * 2 * block * block * n * h  # q·k and p·v of one block pair
     ratio = sparse / (visible_pairs * pair_flops)

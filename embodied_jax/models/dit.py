@@ -123,7 +123,8 @@ class Attention(nnx.Module):
         v = v.reshape(b, s, self.heads, self.head_dim)
         kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         # Explicit zero block ids: full attention within a segment, and the mask path of the
-        # fused backends (their varlen path needs the same segment numbering on both sides).
+        # fused backends (their varlen path needs the same segment numbering on both sides);
+        # the block-sparse form drops them (whole_segments) for its full-attention tiles.
         out = attention(
             q,
             k.astype(q.dtype),
@@ -133,6 +134,7 @@ class Attention(nnx.Module):
             q_block_ids=jnp.zeros_like(q_segment_ids),
             kv_block_ids=jnp.zeros_like(kv_segment_ids),
             impl=self.impl,
+            whole_segments=True,
             bounds=bounds,
         )
         return self.to_out(out.reshape(b, t, self.heads * self.head_dim))

@@ -37,6 +37,9 @@ Backends (``impl``):
 ``causal_blocks=True`` is a static promise by the caller that the block ids equal the
 within-segment positions (causal attention); it lets the fused backends use their causal
 kernels. Without it, block ids are treated as a general block structure.
+``whole_segments=True`` promises that the block ids are equal within each segment (every
+query sees its whole segment): the block-sparse form then drops them and takes its tiles for
+full attention (``nn/block_sparse.py``); the other backends get the block ids as given.
 
 KV cache: ``KVCache`` holds the prefix's k, v, segment ids and block ids. Pass
 ``cache=...`` to ``attention`` to let the suffix queries attend the cached prefix followed
@@ -343,6 +346,7 @@ def attention(
     scale: float | None = None,
     cache: KVCache | None = None,
     causal_blocks: bool = False,
+    whole_segments: bool = False,
     bounds: SegmentBounds | None = None,
 ):
     """Segment-id attention. q [B, T, N, H]; k, v [B, S, K, H]; returns [B, T, N, H] in q.dtype.
@@ -395,9 +399,8 @@ def attention(
         mask = attention_mask(q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids)
         out = xla_attention(q, k, v, mask, scale)
     elif impl == "blocksparse":
-        out = block_sparse_attention(
-            q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, scale=scale, bounds=bounds
-        )
+        blocks = (None, None) if whole_segments else (q_block_ids, kv_block_ids)
+        out = block_sparse_attention(q, k, v, q_segment_ids, kv_segment_ids, *blocks, scale=scale, bounds=bounds)
     elif impl == "pallas":
         out = pallas_attention.flash_segment_attention(
             q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, scale=scale

@@ -15,31 +15,35 @@ needs ``min(T, (T + R (b - 1)) // b)`` blocks, and a query block needs at most
 
 Compute. Queries go in *tiles*: consecutive query blocks of one segment's run, about 512
 rows of logits per key head (``_TILE_ROWS``: eight blocks of 64 with one query head per key
-head, four with two, one with eight), never more blocks than the longest run, the last tile
-of a run moved back to end with it (overlapping its predecessor, whose rows it recomputes).
-A tile needs the key blocks of its segment's run up to the last one holding a key it can see
-(a causal tile: those up to its last row; a short sample's: its own few). Every row's tiles
-are sorted by that need, neediest first, and dealt to two independent loops, one tile per
-step (or four one-block tiles where a block alone has 512 rows: π0.5's 8 query heads over 1).
-Inside a step a loop with a data-dependent trip count takes four key blocks at a time, a
-contiguous slice of the keys' heads-major layout ([B, K, slots, H]: no gather, no transposed
-copy), with an online softmax. All of a tile's rows share each key chunk, so a loop step is a
-few large matmuls (tile rows x key chunk per key head) rather than one per query block. The
-loops have their own VJP with flash attention's arithmetic: the forward pass keeps each
-query's log-sum-exp, the backward pass recomputes the probabilities from it (no softmax to
-differentiate, none stored) and sums a tile's key and value gradients in a buffer of one key
-run (transposed, [K, H, run]: the probabilities need no transposed copy) that is then added
-into the layout's. The outputs are gathered back to the original token order (zeros where a
-query sees no key).
+head, four with two, one with eight; 1024 rows when there are no block ids, so every query
+sees its whole segment and a large tile wastes nothing on a causal diagonal), never more
+blocks than the longest run, the last tile of a run moved back to end with it (overlapping
+its predecessor, whose rows it recomputes). A tile needs the key blocks of its segment's run
+up to the last one holding a key it can see (a causal tile: those up to its last row; a
+short sample's: its own few). Every row's tiles are sorted by that need, neediest first, and
+dealt to two independent loops, one tile per step (or four one-block tiles where a block
+alone has 512 rows: π0.5's 8 query heads over 1). Inside a step a loop with a data-dependent
+trip count takes a chunk of key blocks at a time (about 512 x 256 logits per key head: four
+blocks of 64 for a 512-row tile, two for 1024 rows), a contiguous slice of the keys'
+heads-major layout ([B, K, slots, H]: no gather, no transposed copy), with an online softmax.
+All of a tile's rows share each key chunk, so a loop step is a few large matmuls (tile rows x
+key chunk per key head) rather than one per query block. The loops have their own VJP with
+flash attention's arithmetic: the forward pass keeps each query's log-sum-exp, the backward
+pass recomputes the probabilities from it (no softmax to differentiate, none stored) and sums
+a tile's key and value gradients in a buffer of one key run (transposed, [K, H, run]: the
+probabilities need no transposed copy) that is then added into the layout's. The outputs are
+gathered back to the original token order (zeros where a query sees no key).
 
-Cost: the visible block pairs, rounded up to whole tiles and to groups of four key blocks
-(the real query-key pairs of the row's samples times about 1.7 bidirectional, 2.2 causal
-for GR00T's 300-900-token samples: XLA-counted loop FLOPs of the packed ``gr00t_bench``
-step), against B x L^2 for the same samples padded to L. Memory: the virtual layouts (O(T))
-and one loop step's logits. On a CPU each op of a loop step has a fixed cost, so finer tiles
-or chunks (less rounding) do not pay, and XLA:CPU splits a matmul between the cores by its
-rows: a tile of 256 rows per key head ran its matmuls at about half the rate of one of 512
-(GR00T's VL adapter, 8 query heads over 8: its attention 1.3x faster with 512).
+Cost: the visible block pairs, rounded up to whole tiles and key chunks (for GR00T's
+300-900-token samples about 1.6 times their real query-key pairs in its bidirectional
+adapter, counted from the tile and chunk sizes, and 2.2 in its causal LLM, XLA's count of
+the loops in the packed ``gr00t_bench`` step), against B x L^2 for the same samples padded
+to L. Memory: the virtual layouts (O(T)) and one loop step's logits. On a CPU each op of a
+loop step has a fixed cost, so finer tiles or chunks (less rounding) do not pay, and XLA:CPU
+splits a matmul between the cores by its rows: a tile of 256 rows per key head ran its
+matmuls at about half the rate of one of 512 (GR00T's VL adapter, 8 query heads over 8: its
+attention 1.3x faster with 512, and another 1.09-1.13x with whole-sample tiles of up to 896
+rows and key chunks of 128).
 
 Everything is gathers, einsums and exponentials, so XLA compiles it on CPU and GPU. The
 bounds must hold: a row with more segments than ``max_segments`` or a segment longer than
@@ -134,8 +138,11 @@ def block_sparse_attention(
     jq = virtual_blocks(t, r, bq)
     jk = virtual_blocks(s, r, bk)
     c = min(jk, math.ceil(bounds.max_kv_len / bk))  # key blocks one query block can need
-    ck = min(_KEY_BLOCKS_PER_STEP, c)  # key blocks per inner step
-    tq = _tile_blocks(min(jq, math.ceil(min(bounds.max_q_len, t) / bq)), g, bq)  # query blocks per tile
+    # without block ids every query sees its whole segment: no causal waste in a large tile
+    whole = q_block_ids is None and kv_block_ids is None
+    run_blocks = min(jq, math.ceil(min(bounds.max_q_len, t) / bq))  # of the longest query run
+    tq = _tile_blocks(run_blocks, g, bq, whole)  # query blocks per tile
+    ck = _chunk_blocks(c, g * tq * bq, bk)  # key blocks per inner step
     # tiles per row: a segment of L tokens has ceil(L / (tq·bq)) of them
     nt = min(virtual_blocks(t, r, tq * bq), r * math.ceil(min(bounds.max_q_len, t) / (tq * bq)))
     q_seg = jnp.asarray(q_segment_ids, jnp.int32)
@@ -241,10 +248,18 @@ def block_sparse_attention(
     return out[where[rows, ql.dest]].astype(q.dtype)  # padding tokens (dest jq·bq) -> the zero row
 
 
-def _tile_blocks(query_blocks: int, group: int, block: int) -> int:
+def _tile_blocks(query_blocks: int, group: int, block: int, whole: bool) -> int:
     """Query blocks per tile: about ``_TILE_ROWS`` rows of logits per key head (``group`` query
-    heads share one), at most ``_MAX_TILE_BLOCKS`` and the blocks of the longest run."""
-    return max(1, min(query_blocks, _MAX_TILE_BLOCKS, _TILE_ROWS // (group * block)))
+    heads share one; ``_WHOLE_TILE_ROWS`` when queries see whole segments), at most
+    ``_MAX_TILE_BLOCKS`` (``_MAX_WHOLE_TILE_BLOCKS``) and the blocks of the longest run."""
+    rows, most = (_WHOLE_TILE_ROWS, _MAX_WHOLE_TILE_BLOCKS) if whole else (_TILE_ROWS, _MAX_TILE_BLOCKS)
+    return max(1, min(query_blocks, most, rows // (group * block)))
+
+
+def _chunk_blocks(key_blocks: int, rows: int, block: int) -> int:
+    """Key blocks per inner step: about ``_STEP_LOGITS`` logits per key head for a tile of
+    ``rows`` rows per key head, at most ``_KEY_BLOCKS_PER_STEP``."""
+    return max(1, min(key_blocks, _KEY_BLOCKS_PER_STEP, _STEP_LOGITS // (rows * block)))
 
 
 # A tile's logits per key head have about this many rows: XLA:CPU's matmuls split their rows
@@ -252,10 +267,18 @@ def _tile_blocks(query_blocks: int, group: int, block: int) -> int:
 # [64, 256] (101 against 176 GFLOP/s); little waste at the end of a segment's run.
 _TILE_ROWS = 512
 _MAX_TILE_BLOCKS = 8
+# With whole segments visible a larger tile wastes nothing on a causal diagonal: a whole
+# sample per tile (GR00T's adapter, samples up to 14 blocks), with key chunks of 128, ran its
+# attention 1.09-1.13x faster than 512-row tiles with chunks of 256; a causal LLM's forward
+# ran 1.3-1.4x slower with such tiles.
+_WHOLE_TILE_ROWS = 1024
+_MAX_WHOLE_TILE_BLOCKS = 16
 # Query blocks per loop step: one tile, or several small tiles side by side (their key chunks
 # concatenated: more tiles per step measured slower).
 _STEP_BLOCKS = 4
-# Key blocks per inner step: a step's logits ([K, G, tile rows, ck·bk]) still fit in cache.
+# Key blocks per inner step: a step's logits ([K, G, tile rows, ck·bk]) still fit in cache,
+# about 512 x 256 per key head (chunks of 256 keys for 512-row tiles, 128 for 1024).
+_STEP_LOGITS = 512 * 256
 _KEY_BLOCKS_PER_STEP = 4
 # Steps are dealt round-robin to this many independent loops. They helped when a step's ops
 # were small; with 512-row tiles one op keeps both cores busy and XLA:CPU's profile shows one op
