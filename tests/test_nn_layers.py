@@ -13,6 +13,7 @@ from flax import nnx
 from embodied_jax.nn import dense as dense_module
 from embodied_jax.nn import embeddings, image, lora, mlp, norms, rope, traced
 from embodied_jax.nn.dense import Dense, Einsum
+from embodied_jax.parallel import hlo
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.partition import describe_spec
 from embodied_jax.parallel.rules import ShardingRules
@@ -144,13 +145,19 @@ def test_rope_rotate_half():
     assert rope.apply_rope(jnp.asarray(x, jnp.bfloat16), pos).dtype == jnp.bfloat16
 
 
-def _fusions_with(hlo: str, opcode: str) -> list[int]:
+def _elements(result: str) -> int:
+    return math.prod(int(d) for d in re.search(r"\[([\d,]*)\]", result).group(1).split(",") if d)
+
+
+def _fusions_with(hlo_text: str, opcode: str) -> list[int]:
     """Output element counts of the fusions in compiled HLO whose body holds ``opcode``."""
-    bodies = dict(re.findall(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
+    computations, _ = hlo._parse(hlo_text)
     sizes = []
-    for shape, body in re.findall(r"= f32\[([\d,]*)\][^\n]* fusion\([^\n]*calls=%([\w.\-]+)", hlo):
-        if f" {opcode}(" in bodies.get(body, ""):
-            sizes.append(math.prod(int(d) for d in shape.split(",") if d))
+    for instructions in computations.values():
+        for _name, result, op, rest in instructions:
+            body = re.search(r"calls=%?([\w.\-]+)", rest) if op == "fusion" else None
+            if body and any(inner == opcode for _, _, inner, _ in computations.get(body.group(1), [])):
+                sizes.append(_elements(result))
     return sizes
 
 
@@ -160,18 +167,22 @@ def test_rope_tables_are_computed_once_per_position():
     b, t, n, h = 1, 64, 8, 16
     x = jnp.asarray(rand((b, t, n, h), 15))
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    hlo = jax.jit(lambda x, p: rope.apply_rope(x, p)[:, ::2] * 2.0).lower(x, pos).compile().as_text()
-    sizes = _fusions_with(hlo, "sine") + _fusions_with(hlo, "cosine")
+    text = jax.jit(lambda x, p: rope.apply_rope(x, p)[:, ::2] * 2.0).lower(x, pos).compile().as_text()
+    sizes = _fusions_with(text, "sine") + _fusions_with(text, "cosine")
     assert sizes and max(sizes) <= b * t * h, sizes
 
 
-def _reduced_axes(hlo: str) -> list[tuple[list[int], list[int]]]:
+def _reduced_axes(hlo_text: str) -> list[tuple[list[int], list[int]]]:
     """(operand shape, reduced dimensions) of every reduce in compiled HLO."""
-    shapes = dict(re.findall(r"%([\w.\-]+) = f32\[([\d,]*)\]", hlo))
     found = []
-    for operand, dims in re.findall(r"reduce\(%([\w.\-]+), [^\n]*dimensions=\{([\d,]*)\}", hlo):
-        shape = [int(d) for d in shapes.get(operand, "").split(",") if d]
-        found.append((shape, [int(d) for d in dims.split(",") if d]))
+    for instructions in hlo._parse(hlo_text)[0].values():
+        results = {name: result for name, result, _, _ in instructions}
+        for _name, _result, op, rest in instructions:
+            if op == "reduce":
+                operand = results.get(re.match(r"%?([\w.\-]+)", rest).group(1), "")
+                shape = [int(d) for d in re.search(r"\[([\d,]*)\]", operand or "[]").group(1).split(",") if d]
+                dims = re.search(r"dimensions=\{([\d,]*)\}", rest).group(1)
+                found.append((shape, [int(d) for d in dims.split(",") if d]))
     return found
 
 
@@ -181,8 +192,8 @@ def test_norm_parameter_gradients_reduce_a_token_major_view(kind):
     XLA:CPU reduced the middle axis of [1, T, D] about ten times slower."""
     x = jnp.asarray(rand((1, 64, 8), 16))
     graphdef, params = nnx.split(getattr(norms, kind)(8))
-    hlo = jax.jit(jax.grad(lambda p: jnp.sum(jnp.tanh(nnx.merge(graphdef, p)(x))))).lower(params).compile().as_text()
-    reduces = _reduced_axes(hlo)
+    text = jax.jit(jax.grad(lambda p: jnp.sum(jnp.tanh(nnx.merge(graphdef, p)(x))))).lower(params).compile().as_text()
+    reduces = _reduced_axes(text)
     assert reduces and all(shape for shape, _ in reduces), reduces
     middle = [
         (shape, dims) for shape, dims in reduces if shape[:1] == [1] and 0 not in dims and len(shape) - 1 not in dims

@@ -140,11 +140,11 @@ def block_sparse_attention(
     c = min(jk, math.ceil(bounds.max_kv_len / bk))  # key blocks one query block can need
     # without block ids every query sees its whole segment: no causal waste in a large tile
     whole = q_block_ids is None and kv_block_ids is None
-    run_blocks = min(jq, math.ceil(min(bounds.max_q_len, t) / bq))  # of the longest query run
+    run_blocks = math.ceil(min(bounds.max_q_len, t) / bq)  # of the longest query run
     tq = _tile_blocks(run_blocks, g, bq, whole)  # query blocks per tile
     ck = _chunk_blocks(c, g * tq * bq, bk)  # key blocks per inner step
-    # tiles per row: a segment of L tokens has ceil(L / (tq·bq)) of them
-    nt = min(virtual_blocks(t, r, tq * bq), r * math.ceil(min(bounds.max_q_len, t) / (tq * bq)))
+    # tiles per row: a run of n blocks has ceil(n / tq) of them
+    nt = min(virtual_blocks(t, r, tq * bq), r * -(-run_blocks // tq))
     q_seg = jnp.asarray(q_segment_ids, jnp.int32)
     kv_seg = jnp.asarray(kv_segment_ids, jnp.int32)
     q_blk = jnp.zeros((b, t), jnp.int32) if q_block_ids is None else jnp.asarray(q_block_ids, jnp.int32)
