@@ -262,6 +262,42 @@ def test_schedules_and_decay_mask():
     assert mask == {"layer": {"kernel": True, "bias": False}, "norm": {"scale": False}, "embed": {"embedding": False}}
 
 
+def test_clipping_equals_optax_and_fuses_into_the_moment_updates():
+    """The clip scales each gradient by one scalar: optax's values in both regimes, and the
+    compiled AdamW step keeps no clipped copy of a gradient (three full-size fusions per
+    parameter: first moment, second moment, parameter; optax's division adds a fourth)."""
+    import optax
+
+    from embodied_jax.parallel import hlo
+    from embodied_jax.train.config import OptimizerConfig
+    from embodied_jax.train.optimizer import clip_by_global_norm, make_optimizer
+
+    rng = np.random.default_rng(0)
+    shapes = [(96, 160 + i) for i in range(3)]
+    grads = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    for max_norm in (0.5, 1e3):  # clipped, untouched
+        ours, _ = clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+        ref, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+        for a, b in zip(ours, ref, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+
+    tx, _ = make_optimizer(OptimizerConfig(clip_norm=1.0), total_steps=10)
+    params = [jnp.ones(s) for s in shapes]
+
+    def update(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    text = jax.jit(update).lower(params, tx.init(params), grads).compile().as_text()
+    full_size = [
+        result
+        for instructions in hlo._parse(text)[0].values()
+        for _name, result, op, _rest in instructions
+        if op == "fusion" and any(result.startswith(f"f32[{a},{b}]") for a, b in shapes)
+    ]
+    assert len(full_size) == 3 * len(shapes), full_size
+
+
 def test_ema_tracks_parameters(tmp_path):
     config = toy_config(tmp_path, mesh=MeshConfig(data=8), ema_decay=0.5)
     _, before, after, _ = _run_steps(config, steps=2)

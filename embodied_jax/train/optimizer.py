@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -55,12 +56,30 @@ def decay_mask(config: OptimizerConfig, params: Any) -> Any:
     )
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` as one product per gradient: ``g · min(1, max_norm / norm)``.
+
+    optax's form, ``select(norm < max_norm, g, g / norm · max_norm)``, holds a division per
+    element, which XLA does not duplicate into its two readers (the first and second moment
+    updates): it writes ``g / norm`` out for every parameter and reads it back twice. A product
+    with one scalar fuses into both, so AdamW reads and writes each parameter's arrays ten
+    times instead of fourteen. Same state (none), same result up to rounding (a scale of
+    exactly 1 below the threshold)."""
+
+    def clip(updates, params):
+        del params
+        scale = jnp.minimum(1.0, max_norm / jnp.maximum(optax.global_norm(updates), jnp.finfo(jnp.float32).tiny))
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates)
+
+    return optax.stateless(clip)
+
+
 def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The transformation applied to the *trainable* parameters (frozen ones never reach it)."""
     schedule = make_schedule(config, total_steps)
     parts = []
     if config.clip_norm is not None:
-        parts.append(optax.clip_by_global_norm(config.clip_norm))
+        parts.append(clip_by_global_norm(config.clip_norm))
     parts.append(
         optax.adamw(
             schedule,
