@@ -201,6 +201,34 @@ def test_norm_parameter_gradients_reduce_a_token_major_view(kind):
     assert not middle, middle
 
 
+def test_patch_embedding_is_a_convolution_whose_kernel_gradient_reads_the_output_gradient_as_is():
+    """SigLIP's patch embedding equals a stride-P convolution; its kernel's gradient takes the
+    output gradient [B·N, D] as it is: the 6-D einsum it replaced had XLA:CPU write that gradient
+    transposed ([D, B·N], fused with every layer's residual gradient: 21 ms of a pi05_bench step)."""
+    from embodied_jax.models.siglip import PatchEmbedding
+
+    b, side, p, c, d = 2, 112, 14, 3, 64
+    embed = PatchEmbedding(p, c, d, dtype=None, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    images = jnp.asarray(np.random.default_rng(3).uniform(-1, 1, (b, side, side, c)), jnp.float32)
+    conv = jax.lax.conv_general_dilated(
+        images, embed.kernel[...], (p, p), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    want = (conv + embed.bias[...]).reshape(b, -1, d)
+    np.testing.assert_allclose(embed(images), want, rtol=1e-5, atol=1e-5)
+
+    graphdef, params = nnx.split(embed)
+    grad = jax.grad(lambda p_: jnp.sum(jnp.sin(nnx.merge(graphdef, p_)(images))))
+    text = jax.jit(grad).lower(params).compile().as_text()
+    rows = b * (side // p) ** 2
+    transposed = [
+        (name, result)
+        for instructions in hlo._parse(text)[0].values()
+        for name, result, op, _ in instructions
+        if op != "parameter" and result.startswith((f"f32[{d},{rows}]", f"f32[{d},{b},"))
+    ]
+    assert not transposed, transposed
+
+
 def test_time_embeddings():
     t = np.array([0.0, 0.25, 0.999, 0.6180339], np.float32)
     got = np.asarray(embeddings.sincos_embedding(t, 8, min_period=4e-3, max_period=4.0))
