@@ -1,6 +1,7 @@
 """Segment-id attention vs an independent NumPy dense-mask float32 reference."""
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from embodied_jax.nn import attention as attn
+from embodied_jax.parallel import hlo
 
 
 def brute_force_mask(q_seg, kv_seg, q_blk, kv_blk):
@@ -224,6 +226,32 @@ def test_xla_gradients_match_float64_autodiff_of_a_naive_attention(kv_heads):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), w, atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(np.asarray(got[0][0, 4]), 0.0)  # the query without keys
+
+
+def test_one_kv_head_keeps_the_probabilities_where_they_are():
+    """With one KV head (π0.5), no layout copy of the [G·T, S] probabilities in the compiled
+    forward and backward: XLA:CPU copied them between two layouts that differ only in where a
+    size-1 KV-head axis sits (the same bytes), once per pass."""
+    b, t, heads, head_dim = 2, 48, 4, 16
+    q, k, v = random_qkv(np.random.default_rng(1), b, t, t, heads, 1, head_dim)
+    segments = np.ones((b, t), np.int32)
+
+    def loss(q, k, v):
+        out = attn.attention(q, k, v, q_segment_ids=segments, kv_segment_ids=segments, impl="xla")
+        return jnp.sum(jnp.sin(out))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    computations, _ = hlo._parse(text)
+    probabilities = b * heads * t * t
+    layout_copies = []
+    for instructions in computations.values():
+        for name, result, op, rest in instructions:
+            body = re.search(r"calls=%?([\w.\-]+)", rest) if op == "fusion" else None
+            inner = {o for _, _, o, _ in computations.get(body.group(1), [])} if body else {op}
+            size = np.prod([int(d) for d in re.search(r"\[([\d,]*)\]", result).group(1).split(",") if d])
+            if "copy" in inner and inner <= {"parameter", "bitcast", "copy"} and size >= probabilities:
+                layout_copies.append((name, result))
+    assert not layout_copies, layout_copies
 
 
 def test_bfloat16_inputs_follow_float32_reference():

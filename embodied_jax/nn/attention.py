@@ -188,9 +188,27 @@ def _dense_probs(qh, k, bias):
     keys [B, S, K, H]."""
     b, kv_heads, m, _ = qh.shape
     t = bias.shape[1]
-    logits = jnp.einsum("bkmh,bskh->bkms", qh, k, preferred_element_type=jnp.float32).astype(jnp.float32)
-    logits = logits.reshape(b, kv_heads, m // t, t, -1) + bias[:, None, None]
+    logits = _heads_einsum("bkmh,bskh->bkms", qh, k, preferred_element_type=jnp.float32).astype(jnp.float32)
+    if kv_heads == 1:  # no size-1 axis in the softmax either (see _heads_einsum)
+        logits = logits[:, 0].reshape(b, m // t, t, -1) + bias[:, None]
+    else:
+        logits = logits.reshape(b, kv_heads, m // t, t, -1) + bias[:, None, None]
     return jax.nn.softmax(logits, axis=-1).reshape(b, kv_heads, m, -1)
+
+
+def _heads_einsum(spec: str, x, y, **kwargs):
+    """``jnp.einsum(spec, x, y)`` of two operands with a KV-head axis ``k``. With one KV head
+    (π0.5) the product runs without that axis and the result gets it back: XLA:CPU drops a
+    size-1 batch axis of a dot, then lays it out elsewhere than the consumer and copies the
+    [G·T, S] probabilities between two layouts of the same bytes (40 MB per layer and pass
+    of a pi05_bench step)."""
+    inputs, out = spec.split("->")
+    x_spec, y_spec = inputs.split(",")
+    if x.shape[x_spec.index("k")] != 1:
+        return jnp.einsum(spec, x, y, **kwargs)
+    x, y = jnp.squeeze(x, x_spec.index("k")), jnp.squeeze(y, y_spec.index("k"))
+    without_heads = ",".join(sub.replace("k", "") for sub in (x_spec, y_spec)) + "->" + out.replace("k", "")
+    return jnp.expand_dims(jnp.einsum(without_heads, x, y, **kwargs), out.index("k"))
 
 
 @jax.custom_vjp
@@ -202,7 +220,7 @@ def _dense_attention(q, k, v, bias):
 def _dense_attention_fwd(q, k, v, bias):
     qh = _heads_major(q, k.shape[2])
     probs = _dense_probs(qh, k, bias)
-    out = jnp.einsum("bkms,bskh->bkmh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = _heads_einsum("bkms,bskh->bkmh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return _tokens_major(out, q.shape[1]), (qh, k, v, bias, probs, out)
 
 
@@ -212,11 +230,11 @@ def _dense_attention_bwd(residuals, d_out):
     qh, k, v, bias, probs, out = residuals
     d_out = _heads_major(d_out.astype(jnp.float32), k.shape[2])
     f32 = dict(preferred_element_type=jnp.float32)
-    dv = jnp.einsum("bkms,bkmh->bskh", probs, d_out, **f32)
-    dp = jnp.einsum("bkmh,bskh->bkms", d_out, v.astype(jnp.float32), **f32)
+    dv = _heads_einsum("bkms,bkmh->bskh", probs, d_out, **f32)
+    dp = _heads_einsum("bkmh,bskh->bkms", d_out, v.astype(jnp.float32), **f32)
     ds = probs * (dp - jnp.sum(d_out * out, axis=-1, keepdims=True))
-    dq = jnp.einsum("bkms,bskh->bkmh", ds, k.astype(jnp.float32), **f32)
-    dk = jnp.einsum("bkms,bkmh->bskh", ds, qh.astype(jnp.float32), **f32)
+    dq = _heads_einsum("bkms,bskh->bkmh", ds, k.astype(jnp.float32), **f32)
+    dk = _heads_einsum("bkms,bkmh->bskh", ds, qh.astype(jnp.float32), **f32)
     dq = _tokens_major(dq, bias.shape[1])
     return dq.astype(qh.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias)
 
