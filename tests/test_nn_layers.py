@@ -145,20 +145,9 @@ def test_rope_rotate_half():
     assert rope.apply_rope(jnp.asarray(x, jnp.bfloat16), pos).dtype == jnp.bfloat16
 
 
-def _elements(result: str) -> int:
-    return math.prod(int(d) for d in re.search(r"\[([\d,]*)\]", result).group(1).split(",") if d)
-
-
 def _fusions_with(hlo_text: str, opcode: str) -> list[int]:
     """Output element counts of the fusions in compiled HLO whose body holds ``opcode``."""
-    computations, _ = hlo._parse(hlo_text)
-    sizes = []
-    for instructions in computations.values():
-        for _name, result, op, rest in instructions:
-            body = re.search(r"calls=%?([\w.\-]+)", rest) if op == "fusion" else None
-            if body and any(inner == opcode for _, _, inner, _ in computations.get(body.group(1), [])):
-                sizes.append(_elements(result))
-    return sizes
+    return [i.elements for i in hlo.instructions(hlo_text) if i.opcode == "fusion" and opcode in i.body]
 
 
 def test_rope_tables_are_computed_once_per_position():
@@ -174,15 +163,15 @@ def test_rope_tables_are_computed_once_per_position():
 
 def _reduced_axes(hlo_text: str) -> list[tuple[list[int], list[int]]]:
     """(operand shape, reduced dimensions) of every reduce in compiled HLO."""
+    listed = hlo.instructions(hlo_text)
+    results = {i.name: i.result for i in listed}
     found = []
-    for instructions in hlo._parse(hlo_text)[0].values():
-        results = {name: result for name, result, _, _ in instructions}
-        for _name, _result, op, rest in instructions:
-            if op == "reduce":
-                operand = results.get(re.match(r"%?([\w.\-]+)", rest).group(1), "")
-                shape = [int(d) for d in re.search(r"\[([\d,]*)\]", operand or "[]").group(1).split(",") if d]
-                dims = re.search(r"dimensions=\{([\d,]*)\}", rest).group(1)
-                found.append((shape, [int(d) for d in dims.split(",") if d]))
+    for i in listed:
+        if i.opcode == "reduce":
+            operand = results.get(re.match(r"%?([\w.\-]+)", i.rest).group(1), "")
+            shape = [int(d) for d in re.search(r"\[([\d,]*)\]", operand or "[]").group(1).split(",") if d]
+            dims = re.search(r"dimensions=\{([\d,]*)\}", i.rest).group(1)
+            found.append((shape, [int(d) for d in dims.split(",") if d]))
     return found
 
 
@@ -221,10 +210,9 @@ def test_patch_embedding_is_a_convolution_whose_kernel_gradient_reads_the_output
     text = jax.jit(grad).lower(params).compile().as_text()
     rows = b * (side // p) ** 2
     transposed = [
-        (name, result)
-        for instructions in hlo._parse(text)[0].values()
-        for name, result, op, _ in instructions
-        if op != "parameter" and result.startswith((f"f32[{d},{rows}]", f"f32[{d},{b},"))
+        (i.name, i.result)
+        for i in hlo.instructions(text)
+        if i.opcode != "parameter" and i.result.startswith((f"f32[{d},{rows}]", f"f32[{d},{b},"))
     ]
     assert not transposed, transposed
 

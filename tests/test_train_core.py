@@ -290,10 +290,9 @@ def test_clipping_equals_optax_and_fuses_into_the_moment_updates():
 
     text = jax.jit(update).lower(params, tx.init(params), grads).compile().as_text()
     full_size = [
-        result
-        for instructions in hlo._parse(text)[0].values()
-        for _name, result, op, _rest in instructions
-        if op == "fusion" and any(result.startswith(f"f32[{a},{b}]") for a, b in shapes)
+        i.result
+        for i in hlo.instructions(text)
+        if i.opcode == "fusion" and any(i.result.startswith(f"f32[{a},{b}]") for a, b in shapes)
     ]
     assert len(full_size) == 3 * len(shapes), full_size
 

@@ -189,10 +189,8 @@ def _dense_probs(qh, k, bias):
     b, kv_heads, m, _ = qh.shape
     t = bias.shape[1]
     logits = _heads_einsum("bkmh,bskh->bkms", qh, k, preferred_element_type=jnp.float32).astype(jnp.float32)
-    if kv_heads == 1:  # no size-1 axis in the softmax either (see _heads_einsum)
-        logits = logits[:, 0].reshape(b, m // t, t, -1) + bias[:, None]
-    else:
-        logits = logits.reshape(b, kv_heads, m // t, t, -1) + bias[:, None, None]
+    # every (KV head, query head) pair's [T, S] logits on one axis: no size-1 axis for one KV head
+    logits = logits.reshape(b, kv_heads * (m // t), t, -1) + bias[:, None]
     return jax.nn.softmax(logits, axis=-1).reshape(b, kv_heads, m, -1)
 
 

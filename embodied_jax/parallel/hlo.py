@@ -15,6 +15,9 @@ a reduce-scatter) is counted as a reduce-scatter. ``payload`` is S itself.
 ``dot_flops(hlo_text)`` counts 2·M·N·K per ``dot`` with the same loop multipliers (XLA's own
 cost analysis counts a while body once, so a layer scan's matmuls once instead of per layer).
 
+``instructions(hlo_text)`` lists every instruction with the opcodes of the computation a
+fusion calls, for checks of what XLA fused or copied (which tests make of compiled steps).
+
 ``peak_buffers(live_range_text, hlo_text)`` lists the buffers live at the program's memory
 peak, largest first, with the shape and the JAX operation that made each, from XLA's
 ``*-live-range.txt`` dump, which ``compile_with_dumps`` produces.
@@ -179,6 +182,37 @@ def _parse(hlo_text: str):
         if m:
             computations[current].append((m.group(1), m.group(2), m.group(3), m.group(4)))
     return computations, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a compiled module: its result type (``f32[4,8]{1,0}``), opcode, the
+    rest of its line, and ``body``: the opcodes of the computation a fusion calls, else
+    ``{opcode}``."""
+
+    name: str
+    result: str
+    opcode: str
+    rest: str
+    body: frozenset[str]
+
+    @property
+    def elements(self) -> int:
+        """Elements of its (first) array result."""
+        dims = _ARRAY.search(self.result)
+        return int(np.prod([int(d) for d in dims.group(2).split(",") if d])) if dims else 0
+
+
+def instructions(hlo_text: str) -> list[Instruction]:
+    """Every instruction of every computation of ``hlo_text``."""
+    computations, _ = _parse(hlo_text)
+    found = []
+    for listed in computations.values():
+        for name, result, opcode, rest in listed:
+            called = re.search(r"calls=%?([\w.\-]+)", rest) if opcode == "fusion" else None
+            body = {inner for _, _, inner, _ in computations.get(called.group(1), [])} if called else {opcode}
+            found.append(Instruction(name, result, opcode, rest, frozenset(body)))
+    return found
 
 
 def _multipliers(computations, entry) -> dict[str, int]:
