@@ -12,3 +12,67 @@ def test_compare_steps_times_every_variant_in_one_process(capsys):
         assert row["median_step_s"] > 0 and row["q1_step_s"] <= row["median_step_s"] and row["median_cpu_s"] > 0
     assert rows[1]["ratio_to_first"] == rows[1]["median_step_s"] / rows[0]["median_step_s"]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"experiment": "toy"')
+
+
+def test_lerobot_reference_step_builds_the_bench_model_sizes():
+    """The PyTorch harness (run in its own environment) builds LeRobot's GR00T at gr00t_bench's sizes."""
+    from experiments.benchmarks import lerobot_gr00t_step as ref
+    from experiments.gr00t import BENCH_MODEL as m
+
+    eagle = ref.eagle_config()
+    vision, text = eagle["vision_config"], eagle["text_config"]
+    assert (vision["hidden_size"], vision["num_hidden_layers"], vision["num_attention_heads"]) == (
+        m.vision.width,
+        m.vision.depth,
+        m.vision.num_heads,
+    )
+    assert (vision["intermediate_size"], vision["patch_size"], vision["image_size"]) == (
+        m.vision.mlp_dim,
+        m.vision.patch_size,
+        m.vision.image_size,
+    )
+    llm = m.llm
+    assert (text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"]) == (
+        llm.width,
+        llm.num_layers,
+        llm.num_heads,
+    )
+    assert (text["num_key_value_heads"], text["head_dim"], text["intermediate_size"], text["vocab_size"]) == (
+        llm.num_kv_heads,
+        llm.head_dim,
+        llm.mlp_dim,
+        llm.vocab_size,
+    )
+    assert (eagle["image_token_index"], ref.MAX_TOKEN_LEN, ref.TEXT_TOKENS) == (
+        m.image_token_id,
+        m.max_token_len,
+        m.synthetic_text_tokens,
+    )
+    frozen, trainable = ref.groot_config(False), ref.groot_config(True)
+    assert not frozen["backbone_cfg"]["tune_llm"] and trainable["backbone_cfg"]["tune_visual"]
+    assert frozen["backbone_cfg"]["select_layer"] == m.select_layer
+    head, h = frozen["action_head_cfg"], m.action_head
+    assert (head["hidden_size"], head["input_embedding_dim"], head["max_num_embodiments"]) == (
+        h.hidden_size,
+        h.input_embedding_dim,
+        h.max_num_embodiments,
+    )
+    assert (head["num_target_vision_tokens"], head["backbone_embedding_dim"]) == (h.num_future_tokens, llm.width)
+    assert (head["action_dim"], head["action_horizon"], head["max_state_dim"]) == (
+        m.action_dim,
+        m.action_horizon,
+        m.max_state_dim,
+    )
+    dit, vl = head["diffusion_model_cfg"], head["vl_self_attention_cfg"]
+    assert (dit["num_layers"], dit["num_attention_heads"], dit["attention_head_dim"], dit["output_dim"]) == (
+        h.dit.num_layers,
+        h.dit.num_heads,
+        h.dit.head_dim,
+        h.dit.output_dim,
+    )
+    assert (vl["num_layers"], vl["num_attention_heads"], vl["attention_head_dim"]) == (
+        h.vl_self_attention.num_layers,
+        h.vl_self_attention.num_heads,
+        h.vl_self_attention.head_dim,
+    )
+    assert (ref.ADAMW["lr"], ref.ADAMW["betas"], ref.ADAMW["weight_decay"]) == (1e-4, (0.95, 0.999), 1e-5)
