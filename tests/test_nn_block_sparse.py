@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from embodied_jax.nn import attention as attn
-from embodied_jax.nn.block_sparse import SegmentBounds, block_sparse_attention
+from embodied_jax.nn.block_sparse import SegmentBounds, _tile_blocks, block_sparse_attention
 from embodied_jax.parallel.hlo import dot_flops
 
 
@@ -140,6 +140,15 @@ def test_whole_segments_promise_takes_full_attention_tiles():
     for whole in (False, True):
         np.testing.assert_allclose(np.asarray(sparse(whole)(q)), want, atol=1e-6, rtol=1e-6)
     assert sparse(True).lower(q).as_text() != sparse(False).lower(q).as_text()
+
+
+def test_whole_sample_tiles_only_with_one_query_head_per_key_head():
+    """Whole-segment tiles grow to a whole sample (up to 1024 rows) only where a block is 64
+    rows per key head; with 8 query heads over 1 (π0.5) the general 512-row tiles are kept."""
+    assert _tile_blocks(14, 1, 64, whole=True) == 14  # GR00T's adapter: a 14-block sample per tile
+    assert _tile_blocks(14, 1, 64, whole=False) == 8
+    assert _tile_blocks(16, 8, 64, whole=True) == _tile_blocks(16, 8, 64, whole=False) == 1
+    assert _tile_blocks(16, 2, 64, whole=True) == 4
 
 
 def test_dispatch_uses_block_sparse_for_packed_rows_on_cpu():

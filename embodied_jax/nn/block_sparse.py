@@ -15,8 +15,8 @@ needs ``min(T, (T + R (b - 1)) // b)`` blocks, and a query block needs at most
 
 Compute. Queries go in *tiles*: consecutive query blocks of one segment's run, about 512
 rows of logits per key head (``_TILE_ROWS``: eight blocks of 64 with one query head per key
-head, four with two, one with eight; 1024 rows when there are no block ids, so every query
-sees its whole segment and a large tile wastes nothing on a causal diagonal), never more
+head, four with two, one with eight; 1024 rows when there are no block ids and one query head
+per key head, so every query sees its whole segment and a whole sample fits a tile), never more
 blocks than the longest run, the last tile of a run moved back to end with it (overlapping
 its predecessor, whose rows it recomputes). A tile needs the key blocks of its segment's run
 up to the last one holding a key it can see (a causal tile: those up to its last row; a
@@ -250,9 +250,10 @@ def block_sparse_attention(
 
 def _tile_blocks(query_blocks: int, group: int, block: int, whole: bool) -> int:
     """Query blocks per tile: about ``_TILE_ROWS`` rows of logits per key head (``group`` query
-    heads share one; ``_WHOLE_TILE_ROWS`` when queries see whole segments), at most
-    ``_MAX_TILE_BLOCKS`` (``_MAX_WHOLE_TILE_BLOCKS``) and the blocks of the longest run."""
-    rows, most = (_WHOLE_TILE_ROWS, _MAX_WHOLE_TILE_BLOCKS) if whole else (_TILE_ROWS, _MAX_TILE_BLOCKS)
+    heads share one; ``_WHOLE_TILE_ROWS`` when queries see whole segments and ``group`` is 1),
+    at most ``_MAX_TILE_BLOCKS`` (``_MAX_WHOLE_TILE_BLOCKS``) and the blocks of the longest run."""
+    large = whole and group == 1
+    rows, most = (_WHOLE_TILE_ROWS, _MAX_WHOLE_TILE_BLOCKS) if large else (_TILE_ROWS, _MAX_TILE_BLOCKS)
     return max(1, min(query_blocks, most, rows // (group * block)))
 
 
@@ -270,7 +271,9 @@ _MAX_TILE_BLOCKS = 8
 # With whole segments visible a larger tile wastes nothing on a causal diagonal: a whole
 # sample per tile (GR00T's adapter, samples up to 14 blocks), with key chunks of 128, ran its
 # attention 1.09-1.13x faster than 512-row tiles with chunks of 256; a causal LLM's forward
-# ran 1.3-1.4x slower with such tiles.
+# ran 1.3-1.4x slower with such tiles. With grouped heads a block already has G x 64 rows and
+# 1024 rows hold two blocks, no whole sample: π0.5's prefix (8 query heads over 1) ran one
+# layer's attention 1.09x faster with the 512-row tiles and 256-key chunks of the general case.
 _WHOLE_TILE_ROWS = 1024
 _MAX_WHOLE_TILE_BLOCKS = 16
 # Query blocks per loop step: one tile, or several small tiles side by side (their key chunks
