@@ -143,8 +143,8 @@ def test_whole_segments_promise_takes_full_attention_tiles():
 
 
 def test_whole_sample_tiles_only_with_one_query_head_per_key_head():
-    """Whole-segment tiles grow to a whole sample (up to 1024 rows) only where a block is 64
-    rows per key head; with 8 query heads over 1 (π0.5) the general 512-row tiles are kept."""
+    """Whole-segment tiles grow to a whole sample (up to 1024 rows) only with one query head
+    per key head; with 8 query heads over 1 (π0.5) or 2 the general 512-row tiles are kept."""
     assert _tile_blocks(14, 1, 64, whole=True) == 14  # GR00T's adapter: a 14-block sample per tile
     assert _tile_blocks(14, 1, 64, whole=False) == 8
     assert _tile_blocks(16, 8, 64, whole=True) == _tile_blocks(16, 8, 64, whole=False) == 1
