@@ -76,3 +76,30 @@ def test_lerobot_reference_step_builds_the_bench_model_sizes():
         h.vl_self_attention.head_dim,
     )
     assert (ref.ADAMW["lr"], ref.ADAMW["betas"], ref.ADAMW["weight_decay"]) == (1e-4, (0.95, 0.999), 1e-5)
+
+
+def test_matmul_floor_times_each_distinct_matmul_per_execution():
+    """A scan of 5 matmuls and one batched matmul: two distinct dots, 5 and 1 executions."""
+    import jax
+    import jax.numpy as jnp
+
+    from embodied_jax.parallel.hlo import dot_flops, dots
+    from experiments.benchmarks.matmul_floor import matmul_floor
+
+    def f(x, w, a, b):
+        h = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0]
+        return h, jnp.einsum("bij,bjk->bik", a, b)
+
+    args = jnp.ones((16, 64)), jnp.ones((5, 64, 64)), jnp.ones((3, 8, 24)), jnp.ones((3, 24, 40))
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    found = sorted(dots(hlo), key=lambda d: d.count)
+    shapes = [(d.lhs_shape, d.rhs_shape, d.count) for d in found]
+    assert shapes == [((3, 8, 24), (3, 24, 40), 1), ((16, 64), (64, 64), 5)]
+    assert [d.flops for d in found] == [2 * 3 * 8 * 24 * 40, 2 * 16 * 64 * 64]
+    assert dot_flops(hlo) == 2 * 3 * 8 * 24 * 40 + 5 * 2 * 16 * 64 * 64
+
+    report = matmul_floor(hlo, repeats=3)
+    assert (report["matmul_floor_distinct"], report["matmul_floor_calls"]) == (2, 6)
+    assert report["matmul_floor_flops"] == dot_flops(hlo)
+    assert report["matmul_floor_s"] == sum(row["s"] for row in report["matmul_floor_top"])
+    assert {row["count"] for row in report["matmul_floor_top"]} == {1, 5}

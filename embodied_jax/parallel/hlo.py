@@ -12,7 +12,8 @@ reduce-scatter S_in·(g-1)/g, all-reduce 2·S·(g-1)/g, all-to-all S·(g-1)/g,
 collective-permute S. An all-reduce whose result is only dynamic-sliced (XLA:CPU's form of
 a reduce-scatter) is counted as a reduce-scatter. ``payload`` is S itself.
 
-``dot_flops(hlo_text)`` counts 2·M·N·K per ``dot`` with the same loop multipliers (XLA's own
+``dots(hlo_text)`` lists each distinct ``dot`` (operand shapes, dimension numbers) with how
+many times it runs, by the same loop multipliers; ``dot_flops`` sums their 2·M·N·K (XLA's own
 cost analysis counts a while body once, so a layer scan's matmuls once instead of per layer).
 
 ``instructions(hlo_text)`` lists every instruction with the opcodes of the computation a
@@ -334,30 +335,71 @@ def collective_stats(hlo_text: str, mesh) -> CollectiveStats:
     return CollectiveStats(ops)
 
 
-def dot_flops(hlo_text: str) -> float:
-    """Matmul FLOPs of one execution of the program (per device), loops counted per trip (a loop
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """One distinct matmul of a compiled program: operand types and shapes, the dimension
+    numbers of ``jax.lax.dot_general`` and the result type, with ``count``, how many times
+    the program runs it (loops counted per trip)."""
+
+    lhs_dtype: str
+    lhs_shape: tuple[int, ...]
+    rhs_dtype: str
+    rhs_shape: tuple[int, ...]
+    dimension_numbers: tuple  # ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))
+    result_dtype: str
+    count: int
+
+    @property
+    def flops(self) -> float:
+        """2·M·N·K of one execution."""
+        (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = self.dimension_numbers
+        lhs_free = [d for i, d in enumerate(self.lhs_shape) if i not in lhs_contracting + lhs_batch]
+        rhs_free = [d for i, d in enumerate(self.rhs_shape) if i not in rhs_contracting + rhs_batch]
+        sizes = [self.lhs_shape[i] for i in lhs_batch + lhs_contracting] + lhs_free + rhs_free
+        return 2.0 * float(np.prod(sizes or [1]))
+
+
+def _shape(type_text: str) -> tuple[str, tuple[int, ...]] | None:
+    found = _ARRAY.search(type_text)
+    return (found.group(1), tuple(int(d) for d in found.group(2).split(",") if d)) if found else None
+
+
+def _dims(rest: str, key: str) -> tuple[int, ...]:
+    found = re.search(key + r"=\{([\d,]*)\}", rest)
+    return tuple(int(d) for d in found.group(1).split(",") if d) if found else ()
+
+
+def dots(hlo_text: str) -> list[Dot]:
+    """Every distinct ``dot`` of the program with how many times one execution runs it (a loop
     whose trip count depends on the data, as block-sparse attention's inner loop, counts once)."""
     computations, entry = _parse(hlo_text)
     mult = _multipliers(computations, entry)
-    total = 0.0
-    for comp, instructions in computations.items():
+    counts: dict[tuple, int] = defaultdict(int)
+    for comp, listed in computations.items():
         count = mult.get(comp, 0)
         if not count:
             continue
-        types = {name: result for name, result, _, _ in instructions}
-        for _name, result, opcode, rest in instructions:
+        types = {name: result for name, result, _, _ in listed}
+        for _name, result, opcode, rest in listed:
             if opcode != "dot":
                 continue
-            out = _ARRAY.findall(result)
-            lhs = _OPERAND.search(rest)
-            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
-            if not out or lhs is None or contracting is None or lhs.group(1) not in types:
+            operands = _OPERAND.findall(rest.split(")")[0])
+            if len(operands) != 2 or not all(o in types for o in operands):
                 continue
-            lhs_dims = [int(d) for d in (_ARRAY.findall(types[lhs.group(1)]) or [("", "")])[0][1].split(",") if d]
-            k = np.prod([lhs_dims[int(i)] for i in contracting.group(1).split(",") if i] or [1])
-            n_out = np.prod([int(d) for d in out[0][1].split(",") if d] or [1])
-            total += 2.0 * float(n_out) * float(k) * count
-    return total
+            lhs, rhs, out = _shape(types[operands[0]]), _shape(types[operands[1]]), _shape(result)
+            if lhs is None or rhs is None or out is None:
+                continue
+            numbers = (
+                (_dims(rest, "lhs_contracting_dims"), _dims(rest, "rhs_contracting_dims")),
+                (_dims(rest, "lhs_batch_dims"), _dims(rest, "rhs_batch_dims")),
+            )
+            counts[(*lhs, *rhs, numbers, out[0])] += count
+    return [Dot(*key, count=count) for key, count in counts.items()]
+
+
+def dot_flops(hlo_text: str) -> float:
+    """Matmul FLOPs of one execution of the program (per device), loops counted per trip."""
+    return sum(d.flops * d.count for d in dots(hlo_text))
 
 
 @dataclasses.dataclass

@@ -17,6 +17,8 @@ device memory, and the arithmetic:
   process (measured before and after the steps; the higher median counts), and
   ``limit_fraction`` = analytic_flops / median step / that rate;
 - on GPU, the model FLOPs utilisation against the device's peak;
+- with ``--matmul-floor``: ``matmul_floor_s``, the step's matmuls each compiled and timed
+  alone, summed over their executions (``matmul_floor.py``), and ``step_over_matmul_floor``;
 - ``host_malloc``: ``reuse`` when the step ran with ``embodied_jax.host_malloc``'s settings
   (the command restarts itself with them; ``EMBODIED_JAX_MALLOC=system`` keeps glibc's default).
 """
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", default=None, help="trace one step here and print the top ops")
+    parser.add_argument(
+        "--matmul-floor", action="store_true", help="also time each of the step's matmuls alone (matmul_floor.py)"
+    )
     bench, rest = parser.parse_known_args(argv)
 
     from embodied_jax.parallel import distributed
@@ -176,6 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
         rates = (rate_before, matmul_flops_per_s())
         result.update(step_arithmetic(config.model, batches[0], compiled, median, max(rates)))
         result["matmul_flops_per_s_before_after"] = list(rates)
+    if bench.matmul_floor:
+        from experiments.benchmarks.matmul_floor import matmul_floor
+
+        result.update(matmul_floor(compiled.as_text()))
+        result["step_over_matmul_floor"] = median / result["matmul_floor_s"] if result["matmul_floor_s"] else None
     if jax.default_backend() == "gpu" and "analytic_flops" in result:
         kind = jax.devices()[0].device_kind
         peak = next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
