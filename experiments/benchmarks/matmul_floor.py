@@ -4,7 +4,7 @@
 (``embodied_jax.parallel.hlo.dots``: shapes, dimension numbers, executions per step), compiles
 each as one ``jax.lax.dot_general`` on random operands of its shapes and dtypes, and times it
 (median of ``repeats`` calls, less the median call of a 1x1 matmul: the dispatch a step does
-not pay per op). ``floor_s`` sums time x executions: how long the step's matmuls take one after
+not pay per op). ``matmul_floor_s`` sums time x executions: how long the step's matmuls take one after
 another, each with the whole machine and none fused with anything else. A step is bounded by it
 only loosely (XLA may run two small matmuls side by side, one per core, faster than one after
 the other), but a step much slower than it loses its time outside the matmuls, and a target

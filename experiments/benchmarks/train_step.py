@@ -50,19 +50,11 @@ def peak_device_bytes() -> int | None:
 
 def matmul_flops_per_s(repeats: int = 7) -> float:
     """This machine's float32 matmul rate: median of ``repeats`` jitted 3464x512 @ 512x2048 matmuls."""
-    import jax.numpy as jnp
+    from embodied_jax.parallel.hlo import Dot
+    from experiments.benchmarks.matmul_floor import time_dot
 
-    m, k, n = 3464, 512, 2048
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k)), jnp.float32)
-    b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n)), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
-    jax.block_until_ready(matmul(a, b))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(matmul(a, b))
-        times.append(time.perf_counter() - t)
-    return 2.0 * m * k * n / statistics.median(times)
+    reference = Dot("f32", (3464, 512), "f32", (512, 2048), (((1,), (0,)), ((), ())), "f32", 1)
+    return reference.flops / time_dot(reference, repeats)
 
 
 def step_arithmetic(model_config, batch, compiled, median_s: float, rate: float) -> dict:
