@@ -48,6 +48,11 @@ def _operand(dtype: str, shape: tuple[int, ...], seed: int):
     return jnp.asarray(values).astype(_DTYPES[dtype])
 
 
+def plain_matmul(m: int, k: int, n: int) -> Dot:
+    """The float32 [m, k] @ [k, n] matmul, run once."""
+    return Dot("f32", (m, k), "f32", (k, n), (((1,), (0,)), ((), ())), "f32", 1)
+
+
 def time_dot(dot: Dot, repeats: int = 9) -> float:
     """Median seconds of one call of ``dot`` compiled alone."""
     args = (_operand(dot.lhs_dtype, dot.lhs_shape, 0), _operand(dot.rhs_dtype, dot.rhs_shape, 1))
@@ -57,11 +62,10 @@ def time_dot(dot: Dot, repeats: int = 9) -> float:
 
 
 def matmul_floor(hlo_text: str, repeats: int = 9) -> dict:
-    """``floor_s`` (the matmuls one after another, each alone), their FLOPs and rate, the
+    """``matmul_floor_s`` (the matmuls one after another, each alone), their FLOPs and rate, the
     dispatch subtracted per call, and the five costliest distinct matmuls."""
     found = dots(hlo_text)
-    one = Dot("f32", (1, 1), "f32", (1, 1), (((1,), (0,)), ((), ())), "f32", 1)
-    dispatch = time_dot(one, repeats=max(repeats, 31))
+    dispatch = time_dot(plain_matmul(1, 1, 1), repeats=max(repeats, 31))
     rows = []
     for dot in found:
         seconds = max(time_dot(dot, repeats) - dispatch, 0.0)

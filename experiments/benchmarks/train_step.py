@@ -50,10 +50,9 @@ def peak_device_bytes() -> int | None:
 
 def matmul_flops_per_s(repeats: int = 7) -> float:
     """This machine's float32 matmul rate: median of ``repeats`` jitted 3464x512 @ 512x2048 matmuls."""
-    from embodied_jax.parallel.hlo import Dot
-    from experiments.benchmarks.matmul_floor import time_dot
+    from experiments.benchmarks.matmul_floor import plain_matmul, time_dot
 
-    reference = Dot("f32", (3464, 512), "f32", (512, 2048), (((1,), (0,)), ((), ())), "f32", 1)
+    reference = plain_matmul(3464, 512, 2048)
     return reference.flops / time_dot(reference, repeats)
 
 
