@@ -9,7 +9,9 @@ class (an experiment's own ``ExperimentConfig`` subclass with steps around train
 saved as that registered base: its own fields only drive its launcher.
 
 Reading is strict: an unknown name, an unknown field or a missing field is a
-``ConfigFormatError`` naming it with its path in the config.
+``ConfigFormatError`` naming it with its path in the config. The one exception: a field a class
+gained after configs were saved, named in its ``ADDED_FIELDS`` (a tuple; the field has a
+default that keeps the old behaviour), takes that default when a saved config lacks it.
 """
 
 from __future__ import annotations
@@ -118,12 +120,12 @@ def _decode(payload: Any, path: str) -> Any:
         unknown = sorted(set(payload) - set(fields) - {"__config__"})
         if unknown:
             raise ConfigFormatError(f"{path}: {name} has no field {', '.join(map(repr, unknown))}")
-        missing = sorted(set(fields) - set(payload))
+        missing = sorted(set(fields) - set(payload) - set(getattr(cls, "ADDED_FIELDS", ())))
         if missing:
             raise ConfigFormatError(
                 f"{path}: {name} field {', '.join(map(repr, missing))} missing from the saved config"
             )
-        kwargs = {key: _decode(payload[key], f"{path}.{key}") for key in fields}
+        kwargs = {key: _decode(payload[key], f"{path}.{key}") for key in fields if key in payload}
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:

@@ -33,6 +33,7 @@ from embodied_jax.evaluation import SimEvaluation
 from embodied_jax.sim.tasks import TASKS
 
 PLAYGROUND = "playground:"
+METAWORLD = "metaworld:"
 DEFAULT_ENVS = 32
 DEFAULT_EXECUTE_STEPS = 5
 
@@ -46,18 +47,28 @@ def check_task(task: str) -> None:
     robot assets') is reported here, before a checkpoint is loaded."""
     if task in TASKS:
         return
+    if task.startswith(METAWORLD):
+        from embodied_jax.sim import metaworld
+
+        try:
+            metaworld.parse_tasks(task)
+            metaworld.adapt()
+        except metaworld.MetaWorldError as exc:
+            raise EvaluationError(str(exc)) from exc
+        return
     if task.startswith(PLAYGROUND) and task[len(PLAYGROUND) :]:
         from embodied_jax.sim import playground
 
-        playground.ensure_assets()
+        if task[len(PLAYGROUND) :] in playground.MENAGERIE_ENVS:  # Playground's own robots need their assets
+            playground.ensure_assets()
         return
     raise EvaluationError(
-        f"unknown task {task!r}: built-in tasks are {sorted(TASKS)}, or {PLAYGROUND}<Env> for a MuJoCo "
-        f"Playground manipulation env (e.g. {PLAYGROUND}PandaPickCube)"
+        f"unknown task {task!r}: built-in tasks are {sorted(TASKS)}, {METAWORLD}<task>|mt10|mt50 for "
+        f"Meta-World, or {PLAYGROUND}<Env> for a MuJoCo Playground manipulation env (e.g. {PLAYGROUND}PandaPickCube)"
     )
 
 
-def make_env(task: str, image_size: tuple[int, int], *, instruction: str | None = None):
+def make_env(task: str, image_size: tuple[int, int], *, instruction: str | None = None, phase_in_state: bool = False):
     """The MJX environment of ``task`` rendering ``image_size`` images (a ``sim.Env`` or a
     ``sim.playground.PlaygroundEnv``)."""
     from embodied_jax.sim import Env, EnvConfig  # MJX: imported when first used
@@ -66,7 +77,7 @@ def make_env(task: str, image_size: tuple[int, int], *, instruction: str | None 
     if task in TASKS:
         if instruction is not None:
             raise EvaluationError(f"task {task!r} is built in and has its own instruction: {TASKS[task].instruction!r}")
-        return Env(task, EnvConfig(image_size=image_size))
+        return Env(task, EnvConfig(image_size=image_size, phase_in_state=phase_in_state))
     from embodied_jax.sim import playground
 
     config = EnvConfig(image_size=image_size, physics="warp", renderer="warp")
@@ -77,7 +88,8 @@ def make_env(task: str, image_size: tuple[int, int], *, instruction: str | None 
 
 
 def defaults(bundle: PolicyBundle) -> dict[str, Any]:
-    """What the run itself evaluated with: ``envs``, ``execute_steps``, ``image_size``, ``seed``."""
+    """What the run itself evaluated with: ``envs``, ``execute_steps``, ``image_size``, ``seed``,
+    ``phase_in_state``."""
     evaluation = bundle.config.evaluation
     if isinstance(evaluation, SimEvaluation):
         return {
@@ -85,11 +97,18 @@ def defaults(bundle: PolicyBundle) -> dict[str, Any]:
             "execute_steps": evaluation.execute_steps,
             "image_size": tuple(evaluation.image_size),
             "seed": evaluation.seed,
+            "phase_in_state": evaluation.phase_in_state,
         }
     from embodied_jax.sim import EnvConfig
 
     image_size = bundle.image_size or EnvConfig().image_size  # the policy's input size, where the run fixes one
-    return {"envs": DEFAULT_ENVS, "execute_steps": DEFAULT_EXECUTE_STEPS, "image_size": image_size, "seed": 0}
+    return {
+        "envs": DEFAULT_ENVS,
+        "execute_steps": DEFAULT_EXECUTE_STEPS,
+        "image_size": image_size,
+        "seed": 0,
+        "phase_in_state": False,
+    }
 
 
 def _check_fits(bundle: PolicyBundle, env, task: str) -> None:
@@ -123,6 +142,10 @@ def evaluate_policy(
     ``instruction``: the prompt for a Playground env (default: its name)."""
     from embodied_jax.sim import EvalConfig, Evaluator
 
+    if task.startswith(METAWORLD):  # ``envs`` episodes per task
+        return evaluate_metaworld(
+            bundle, task, episodes=envs, videos=videos, out_dir=out_dir, seed=seed, execute_steps=execute_steps
+        )
     settings = defaults(bundle)
     envs = settings["envs"] if envs is None else envs
     execute_steps = settings["execute_steps"] if execute_steps is None else execute_steps
@@ -134,12 +157,60 @@ def evaluate_policy(
         raise EvaluationError(f"videos={videos}: between 0 and the {envs} environments evaluated")
     if execute_steps < 1:
         raise EvaluationError(f"execute_steps={execute_steps}: execute at least one action of each chunk")
-    env = make_env(task, image_size, instruction=instruction)
+    env = make_env(task, image_size, instruction=instruction, phase_in_state=settings["phase_in_state"])
     _check_fits(bundle, env, task)
     act, params = bundle.act_fn(env.instruction)
     config = EvalConfig(num_envs=envs, execute_steps=execute_steps, num_videos=videos, seed=seed)
     metrics = Evaluator(env, act, config)(params=params, out_dir=out_dir)
     metrics = {**metrics, "step": bundle.step, "seed": seed}
+    if out_dir is not None:
+        (pathlib.Path(out_dir) / "results.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def evaluate_metaworld(
+    bundle: PolicyBundle,
+    task: str,
+    *,
+    episodes: int | None = None,
+    envs: int | None = None,
+    videos: int = 0,
+    out_dir: str | pathlib.Path | None = None,
+    seed: int | None = None,
+    execute_steps: int | None = None,
+) -> dict[str, Any]:
+    """``bundle`` closed-loop in Meta-World's own environments (``sim.metaworld``): ``episodes`` per
+    task (default 10), ``envs`` of them stepped together with one ``predict`` call per decision,
+    images at the policy's input size; seed, ``execute_steps`` default to the run's evaluation."""
+    import jax
+
+    from embodied_jax.sim import metaworld
+
+    settings = defaults(bundle)
+    episodes = 10 if episodes is None else episodes
+    config = metaworld.EvalSettings(
+        episodes=episodes,
+        envs=min(episodes, envs or metaworld.EvalSettings.envs),
+        execute_steps=settings["execute_steps"] if execute_steps is None else execute_steps,
+        seed=settings["seed"] if seed is None else seed,
+        videos=videos,
+    )
+    missing = [key for key in bundle.inputs.camera_keys if key != metaworld.IMAGE_KEY]
+    if missing or bundle.action_dim not in (None, 4):
+        raise EvaluationError(
+            f"Meta-World gives {metaworld.IMAGE_KEY} and takes 4-dim actions; the policy needs cameras "
+            f"{list(bundle.inputs.camera_keys)} and predicts {bundle.action_dim}-dim actions"
+        )
+    image_size = tuple(bundle.image_size or settings["image_size"])
+
+    def policy(batch, call_seed):
+        return bundle.predict(batch, rng=jax.random.key(call_seed))
+
+    try:
+        metrics = metaworld.evaluate(policy, task, config, image_size=image_size, out_dir=out_dir)
+    except metaworld.MetaWorldError as exc:
+        raise EvaluationError(str(exc)) from exc
+    metrics = {**metrics, "step": bundle.step, "seed": config.seed}
     if out_dir is not None:
         (pathlib.Path(out_dir) / "results.json").write_text(json.dumps(metrics, indent=2))
     return metrics
@@ -153,6 +224,19 @@ def summary_line(metrics: dict[str, Any]) -> str:
         f"(95% CI {low:.1%}-{high:.1%}, {metrics['episodes']} episodes), "
         f"mean episode length {metrics['mean_episode_length']:.1f} steps"
     )
+
+
+def detail_lines(metrics: dict[str, Any]) -> list[str]:
+    """Per task and per difficulty group of a Meta-World report (nothing for a single built-in task)."""
+    lines = []
+    for name, key in (("task", "per_task"), ("difficulty", "per_difficulty")):
+        for label, entry in metrics.get(key, {}).items():
+            low, high = entry["success_ci95"]
+            rate, episodes = entry["success_rate"], entry["episodes"]
+            lines.append(f"  {name} {label}: {rate:.1%} (95% CI {low:.1%}-{high:.1%}, {episodes} episodes)")
+    if "mean_task_success" in metrics:
+        lines.append(f"  mean of the per-task success rates: {metrics['mean_task_success']:.1%}")
+    return lines
 
 
 def report_lines(metrics: dict[str, Any], out_dir: str | pathlib.Path) -> list[str]:
@@ -185,10 +269,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m embodied_jax.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("ckpt", metavar="CKPT", help="a run directory or its checkpoints/ directory")
     parser.add_argument(
-        "--task", required=True, help=f"a built-in task ({', '.join(sorted(TASKS))}) or {PLAYGROUND}<Env>"
+        "--task",
+        required=True,
+        help=f"a built-in task ({', '.join(sorted(TASKS))}), {METAWORLD}<task>[,<task>]|mt10|mt50, "
+        f"or {PLAYGROUND}<Env>",
     )
     parser.add_argument(
-        "--envs", type=int, default=None, help=f"episodes, simulated together (default: the run's, else {DEFAULT_ENVS})"
+        "--envs",
+        type=int,
+        default=None,
+        help=f"built-in tasks: episodes, simulated together (default: the run's, else {DEFAULT_ENVS}); "
+        f"Meta-World: environments stepped together per policy call (default 10)",
+    )
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="episodes per task (Meta-World; default 10); for a built-in task the same as --envs",
     )
     parser.add_argument("--videos", type=int, default=0, help="first episodes written as mp4 (default 0)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
@@ -210,12 +307,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for flag, value, least in (
             ("--envs", args.envs, 1),
+            ("--episodes", args.episodes, 1),
             ("--videos", args.videos, 0),
             ("--execute-steps", args.execute_steps, 1),
         ):
             if value is not None and value < least:
                 raise EvaluationError(f"{flag} {value}: must be at least {least}")
         check_task(args.task)
+        metaworld_task = args.task.startswith(METAWORLD)
+        if not metaworld_task and None not in (args.envs, args.episodes) and args.envs != args.episodes:
+            raise EvaluationError(
+                f"--envs {args.envs} and --episodes {args.episodes}: a built-in task runs them together"
+            )
         if args.step is not None:
             _check_step(pathlib.Path(args.ckpt), args.step)
         from embodied_jax.loading import load_policy  # builds the model: after the cheap checks
@@ -230,21 +333,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise EvaluationError(f"cannot write the report to {out}: {exc.strerror}; choose another --out") from exc
-        print(f"evaluating step {bundle.step} of {args.ckpt} on {args.task} in batched MJX ...", flush=True)
-        metrics = evaluate_policy(
-            bundle,
-            args.task,
-            envs=args.envs,
-            videos=args.videos,
-            out_dir=out,
-            seed=args.seed,
-            execute_steps=args.execute_steps,
-            instruction=args.instruction,
-        )
+        if metaworld_task:
+            print(f"evaluating step {bundle.step} of {args.ckpt} on {args.task} in Meta-World ...", flush=True)
+            metrics = evaluate_metaworld(
+                bundle,
+                args.task,
+                episodes=args.episodes,
+                envs=args.envs,
+                videos=args.videos,
+                out_dir=out,
+                seed=args.seed,
+                execute_steps=args.execute_steps,
+            )
+        else:
+            print(f"evaluating step {bundle.step} of {args.ckpt} on {args.task} in batched MJX ...", flush=True)
+            metrics = evaluate_policy(
+                bundle,
+                args.task,
+                envs=args.envs if args.envs is not None else args.episodes,
+                videos=args.videos,
+                out_dir=out,
+                seed=args.seed,
+                execute_steps=args.execute_steps,
+                instruction=args.instruction,
+            )
     except INPUT_ERRORS + (ValueError,) as exc:
         return fail(exc, verbose=args.verbose)
     print(summary_line(metrics))
-    print("\n".join(report_lines(metrics, out)))
+    print("\n".join(detail_lines(metrics) + report_lines(metrics, out)))
     return 0
 
 

@@ -35,13 +35,16 @@ class SimEvaluation(Evaluation):
     execute_steps: int = 5
     image_size: tuple[int, int] = (32, 32)
     seed: int = 0
+    phase_in_state: bool = False  # the policy's state ends with the episode's phase (as its data was collected)
+
+    ADDED_FIELDS = ("phase_in_state",)  # runs saved before it read back with the default (config_registry)
 
     def evaluator(self, bundle: PolicyBundle, *, num_videos: int = 0, mesh=None) -> tuple[Evaluator, Any]:
         """``(evaluator, params)`` of ``bundle`` on the task; ``mesh``: split the environments
         over its ``data`` axis (see ``sim.Evaluator``)."""
         from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator  # MJX: imported when first used
 
-        env = Env(self.task, EnvConfig(image_size=tuple(self.image_size)))
+        env = Env(self.task, EnvConfig(image_size=tuple(self.image_size), phase_in_state=self.phase_in_state))
         act, params = bundle.act_fn(env.instruction)
         config = EvalConfig(
             num_envs=self.num_envs, execute_steps=self.execute_steps, num_videos=num_videos, seed=self.seed
@@ -78,3 +81,55 @@ class SimEvaluationRun:
             f"{task}/mean_episode_length": metrics["mean_episode_length"],
             f"{task}/mean_reward": metrics["mean_reward"],
         }
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class MetaWorldEvaluation(Evaluation):
+    """In-training closed-loop evaluation in Meta-World's own environments (``sim.metaworld``):
+    ``episodes`` per task, ``envs`` stepped together per policy call, on the evaluation seed."""
+
+    tasks: str = "metaworld:mt10"
+    episodes: int = 10
+    envs: int = 10
+    execute_steps: int = 4
+    image_size: tuple[int, int] = (64, 64)
+    seed: int = 1
+
+    def settings(self, *, episodes: int | None = None, videos: int = 0):
+        from embodied_jax.sim import metaworld
+
+        episodes = self.episodes if episodes is None else episodes
+        return metaworld.EvalSettings(
+            episodes=episodes,
+            envs=min(self.envs, episodes),
+            execute_steps=self.execute_steps,
+            seed=self.seed,
+            videos=videos,
+        )
+
+    def start(self, model: Any, *, config: Any, norm_stats: Mapping[str, Any] | None) -> MetaWorldEvaluationRun:
+        return MetaWorldEvaluationRun(self, PolicyBundle(config, model, norm_stats, step=0))
+
+
+class MetaWorldEvaluationRun:
+    """One training run's Meta-World evaluation: ``run(model, step) -> metrics`` (overall and per task)."""
+
+    def __init__(self, evaluation: MetaWorldEvaluation, bundle: PolicyBundle):
+        self.evaluation, self.bundle = evaluation, bundle
+
+    def __call__(self, model: Any, step: int) -> dict[str, float]:
+        from embodied_jax.sim import metaworld
+
+        self.bundle.params = nnx.state(model)
+
+        def policy(batch, call_seed):
+            return self.bundle.predict(batch, rng=jax.random.key(call_seed))
+
+        report = metaworld.evaluate(
+            policy, self.evaluation.tasks, self.evaluation.settings(), image_size=tuple(self.evaluation.image_size)
+        )
+        metrics = {"metaworld/success_rate": report["success_rate"]}
+        for task, entry in report["per_task"].items():
+            metrics[f"metaworld/{task}/success_rate"] = entry["success_rate"]
+        return metrics

@@ -16,6 +16,7 @@ import io
 import json
 import pathlib
 import time
+from collections.abc import Sequence
 
 from embodied_jax.data.pipeline import DataConfig
 from embodied_jax.data.sample_transform import ModelInputs
@@ -38,7 +39,6 @@ IMAGE = 32
 CAMERAS = (("observation.images.scene", "base_0_rgb"), ("observation.images.wrist", "left_wrist_0_rgb"))
 GR00T_CAMERAS = (("observation.images.scene", "ego_view"), ("observation.images.wrist", "wrist_view"))
 GR00T_PAD = "<|endoftext|>"
-COLLECT_NOISE = {"reach": 0.015}  # metres, per task (see DemoConfig.collect_noise)
 RECORD = "demo.json"  # what a demo run directory was made for (task, model)
 
 
@@ -131,8 +131,9 @@ def build_gr00t_tokenizer(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
-    """A word-level SentencePiece model of the task prompts: one token per word and per state bin.
+def build_tokenizer(path: pathlib.Path, vocab_size: int, instructions: Sequence[str] | None = None) -> pathlib.Path:
+    """A word-level SentencePiece model of the task prompts (default: the built-in tasks'
+    instructions): one token per word and per state bin.
 
     Like PaliGemma's tokenizer (which the real π0.5 uses), every state bin 0..255 is a single
     token, so the whole discretised state fits in the prompt; a character-level model trained
@@ -142,7 +143,8 @@ def build_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
 
     from embodied_jax.sim.tasks import TASKS
 
-    instructions = [cls.instruction for cls in TASKS.values()]
+    if instructions is None:
+        instructions = [cls.instruction for cls in TASKS.values()]
     # Each bin as a plain word and as the last (";"-terminated) word of the state.
     corpus = [f"Task: {text}, State: {' '.join([str(b)] * 8)};\nAction: " for text in instructions for b in range(256)]
     model = io.BytesIO()
@@ -172,8 +174,8 @@ class DemoConfig(ExperimentConfig):
     num_videos: int = 4
     # Std (metres) of noise on the expert's executed moves; labels stay the expert's. The
     # demonstrations then also show how to recover from off-path states (DART). None: the
-    # task's default (1.5 cm for reach; none for grasping tasks, whose expert succeeds in
-    # only about 27% of pick_place episodes under 1.5 cm of noise).
+    # task's calibrated level (``Task.dart_noise``: 1.5 cm for reach, 0.5 cm for pick_place,
+    # 0.25 cm for handover, each with the expert still >= 90% successful).
     collect_noise: float | None = None
     # The demo's own word-level tokenizer, built before training: "sentencepiece" (the π0.5
     # demo; PaliGemma's format) or "qwen3_words" (the GR00T demo; a Qwen3 tokenizer.json).
@@ -210,6 +212,8 @@ class DemoConfig(ExperimentConfig):
                 f"choose another --workdir"
             )
         wanted = {"task": self.task, "model": type(self.model).__name__}
+        if self.evaluation.phase_in_state:  # recorded only when on: older run directories stay reusable
+            wanted["phase_in_state"] = True
         record = workdir / RECORD
         if record.exists():
             saved = json.loads(record.read_text())
@@ -248,8 +252,15 @@ class DemoConfig(ExperimentConfig):
             print(f"[1/4] reusing {dataset} ({self.task}, {episodes} episodes)", flush=True)
         else:
             print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
-            noise = COLLECT_NOISE.get(self.task, 0.0) if self.collect_noise is None else self.collect_noise
-            collect(self.task, self.episodes, dataset, image_size=tuple(self.data.data.image_size), noise=noise)
+            noise = self.collect_noise  # None: the task's calibrated DART noise (Task.dart_noise)
+            collect(
+                self.task,
+                self.episodes,
+                dataset,
+                image_size=tuple(self.data.data.image_size),
+                noise=noise,
+                phase_in_state=self.evaluation.phase_in_state,  # the state the policy will be evaluated with
+            )
         tokenizer = self.build_tokenizer(workdir)
         config = dataclasses.replace(
             self,

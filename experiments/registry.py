@@ -15,7 +15,7 @@ from embodied_jax.train.config import ExperimentConfig
 
 DEFAULT = "demo"
 
-_MODULES = ("experiments.toy", "experiments.pi05", "experiments.gr00t", "experiments.demo")
+_MODULES = ("experiments.toy", "experiments.pi05", "experiments.gr00t", "experiments.demo", "experiments.metaworld")
 _REGISTRY: dict[str, tuple[str, Callable[[], ExperimentConfig]]] = {}
 
 

@@ -61,11 +61,13 @@ def test_settings_default_to_the_runs_own_evaluation_else_the_policys_input_size
     from embodied_jax.evaluate import defaults
     from embodied_jax.evaluation import SimEvaluation
 
-    saved = SimEvaluation(task="reach", num_envs=7, execute_steps=3, image_size=(24, 40), seed=9)
+    saved = SimEvaluation(task="reach", num_envs=7, execute_steps=3, image_size=(24, 40), seed=9, phase_in_state=True)
     run = types.SimpleNamespace(config=types.SimpleNamespace(evaluation=saved), image_size=(32, 32))
-    assert defaults(run) == {"envs": 7, "execute_steps": 3, "image_size": (24, 40), "seed": 9}
+    want = {"envs": 7, "execute_steps": 3, "image_size": (24, 40), "seed": 9, "phase_in_state": True}
+    assert defaults(run) == want
     run.config.evaluation = None
-    assert defaults(run) == {"envs": 32, "execute_steps": 5, "image_size": (32, 32), "seed": 0}
+    want = {"envs": 32, "execute_steps": 5, "image_size": (32, 32), "seed": 0, "phase_in_state": False}
+    assert defaults(run) == want
 
 
 def test_an_unknown_task_is_one_error_line(demo_run, subprocess_env, repo_root):
@@ -79,8 +81,8 @@ def test_an_unknown_task_is_one_error_line(demo_run, subprocess_env, repo_root):
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: unknown task 'fly': built-in tasks are ['handover', 'pick_place', 'reach'], or playground:<Env> "
-        "for a MuJoCo Playground manipulation env (e.g. playground:PandaPickCube)"
+        "error: unknown task 'fly': built-in tasks are ['handover', 'pick_place', 'reach'], metaworld:<task>|mt10|mt50 "
+        "for Meta-World, or playground:<Env> for a MuJoCo Playground manipulation env (e.g. playground:PandaPickCube)"
     ]
 
 
@@ -99,6 +101,25 @@ def test_bad_input_is_one_error_line(demo_run, tmp_path, capsys):
     # A task the policy does not fit: handover's robot has two arms (8-dim actions, three cameras).
     line = _bad_input([str(demo_run), "--task", "handover", "--out", str(tmp_path / "out")], capsys)
     assert "takes 8-dim actions, but the policy predicts" in line
+    line = _bad_input([str(demo_run), "--task", "reach", "--envs", "2", "--episodes", "3"], capsys)
+    assert "--envs 2 and --episodes 3: a built-in task runs them together" in line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, reason="Meta-World not installed")
+def test_metaworld_tasks_the_policy_cannot_take_are_one_error_line(demo_run, tmp_path, capsys):
+    assert "unknown Meta-World task 'juggle'" in _bad_input([str(demo_run), "--task", "metaworld:juggle"], capsys)
+    # The demo's policy wants a scene and a wrist camera and has no Meta-World camera: refused before any episode.
+    line = _bad_input([str(demo_run), "--task", "metaworld:reach", "--out", str(tmp_path / "out")], capsys)
+    assert "Meta-World gives observation.image" in line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mujoco_playground") is None, reason="Playground not installed")
+def test_a_playground_robot_without_its_assets_is_one_error_line(demo_run, capsys, monkeypatch, tmp_path):
+    from embodied_jax.sim import playground
+
+    monkeypatch.setattr(playground, "menagerie_path", lambda: tmp_path / "absent" / "mujoco_menagerie")
+    monkeypatch.delenv("MUJOCO_MENAGERIE_DIR", raising=False)
+    assert "menagerie_dir" in _bad_input([str(demo_run), "--task", "playground:PandaPickCube"], capsys)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mujoco_playground") is not None, reason="Playground is installed")

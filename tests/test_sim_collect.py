@@ -50,16 +50,34 @@ def test_dataset_has_episodes_states_actions_and_task(dataset):
         assert ds.task(position, 0) == "move the gripper to the red ball"
 
 
-def test_frames_decode_close_to_rendered_images(dataset):
+def _red_pixels(frames: np.ndarray) -> np.ndarray:
+    """Pixels of the reach target (a small red ball: a few pixels at 32 px)."""
+    r, g, b = (frames[..., i].astype(int) for i in range(3))
+    return (r > 120) & (r > g + 60) & (r > b + 60)
+
+
+def test_frames_read_back_equal_the_renders_the_policy_sees(dataset, tmp_path):
+    """Lossless by default: every frame read back through the data layer is the simulator's
+    render of that state, bit for bit, small objects included; H.264 at this size is not."""
     ds, expected = dataset
-    for camera in ("scene", "wrist"):
-        key = f"observation.images.{camera}"
-        frames = ds.images(0, key, range(len(expected[0]["action"])))
-        assert frames.shape == expected[0][key].shape == (len(expected[0]["action"]), SIZE, SIZE, 3)
-        error = np.abs(frames.astype(int) - expected[0][key].astype(int)).mean()
-        assert error < 12, (camera, error)  # lossy H.264, same content
+    assert ds.image_keys == ("observation.images.scene", "observation.images.wrist") and not ds.video_keys
+    for position, episode in enumerate(expected):
+        for camera in ("scene", "wrist"):
+            key = f"observation.images.{camera}"
+            frames = ds.images(position, key, range(len(episode["action"])))
+            assert frames.shape == episode[key].shape == (len(episode["action"]), SIZE, SIZE, 3)
+            np.testing.assert_array_equal(frames, episode[key])
+    scene = expected[0]["observation.images.scene"]
+    target = _red_pixels(scene[0])
+    assert 0 < target.sum() < 20  # the small object is in the frame
     frame = ds.frame(1, 0)
-    assert frame["observation.images.scene"].shape == (SIZE, SIZE, 3)
+    np.testing.assert_array_equal(frame["observation.images.scene"], expected[1]["observation.images.scene"][0])
+    # The same frames through H.264 (the former default) lose the small object's colour.
+    from embodied_jax.data.writer import write_lerobot_dataset
+
+    lossy = LeRobotDataset(write_lerobot_dataset(tmp_path / "h264", expected[:1], fps=10, image_storage="video"))
+    decoded = lossy.images(0, "observation.images.scene", range(len(expected[0]["action"])))
+    assert np.abs(decoded[0][target].astype(int) - scene[0][target].astype(int)).max() > 20
 
 
 def test_dataset_has_gr00t_modality_groups(dataset):
@@ -102,10 +120,32 @@ def test_compiled_rollouts_are_reused_across_envs_and_bounded(dataset):
     assert collect._expert_rollout(env_lib.Env("reach", config), 2, 4, 0.0) is not first
 
 
+def test_collection_prints_the_noisy_experts_success_rate(dataset, capsys, tmp_path):
+    collect.collect("reach", 2, tmp_path / "ds", image_size=(SIZE, SIZE), seed=1, noise=NOISE)
+    line = capsys.readouterr().out
+    assert "reach: expert succeeded in" in line and f"at {NOISE * 100:g} cm of DART noise" in line
+
+
+def test_dart_calibration_picks_the_largest_noise_the_expert_survives():
+    env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(SIZE, SIZE)))
+    # 2 m of noise on a 0.5 m workspace: the expert cannot succeed; 1 cm it always does (128 of 128).
+    chosen, measured = collect.calibrate_noise(env, levels=(0.01, 2.0, 0.02), episodes=16)
+    assert chosen == 0.02 and list(measured) == [0.01, 0.02, 2.0]
+    assert measured[0.01] >= 0.9 and measured[2.0] < 0.9
+    chosen, measured = collect.calibrate_noise(env, levels=(2.0,), episodes=16)
+    assert chosen == 0.0 and measured[2.0] < 0.9
+    for name in ("reach", "pick_place", "handover"):
+        assert env_lib.Env(name).task.dart_noise > 0  # every built-in task collects with recoveries
+
+
 def test_cli_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
         collect.main(["reach", "--episodes", "2", "--out", str(tmp_path), "--image-size", "1", "2", "3"])
     with pytest.raises(SystemExit):
         collect.main(["juggle", "--episodes", "2", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        collect.main(["reach", "--episodes", "2", "--out", str(tmp_path), "--noise", "lots"])
+    with pytest.raises(ValueError, match="noise"):
+        collect.resolve_noise(env_lib.Env("reach"), -0.01)
     with pytest.raises(ValueError, match="episodes"):
         collect.expert_episodes(env_lib.Env("reach"), 0)

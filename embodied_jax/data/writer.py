@@ -23,6 +23,11 @@ from embodied_jax.data import lerobot_format as fmt
 from embodied_jax.data import video
 
 CAMERA_PREFIX = "observation.images."
+SINGLE_CAMERA = "observation.image"  # LeRobot's key for a dataset's only camera (e.g. its Meta-World sets)
+
+
+def is_camera_key(key: str) -> bool:
+    return key == SINGLE_CAMERA or key.startswith(CAMERA_PREFIX)
 
 
 def write_lerobot_dataset(
@@ -41,8 +46,8 @@ def write_lerobot_dataset(
     """Writes `episodes` as a LeRobot dataset under `root` and returns `root`.
 
     Each episode maps ``"task"`` to a string, ``"observation.state"`` and ``"action"`` to
-    float32 [T, D] arrays, any ``"observation.images.<camera>"`` to uint8 [T, H, W, 3], and
-    optional extra per-frame float32 features [T, ...].
+    float32 [T, D] arrays, any ``"observation.images.<camera>"`` (or a single ``"observation.image"``)
+    to uint8 [T, H, W, 3], and optional extra per-frame float32 features [T, ...].
     """
     if version not in (fmt.V21, fmt.V30):
         raise ValueError(f"version must be {fmt.V21!r} or {fmt.V30!r}, got {version!r}")
@@ -122,8 +127,8 @@ def _features(episodes, fps, codec, image_storage):
     for required in ("task", "observation.state", "action"):
         if required not in first:
             raise ValueError(f"episode 0 has no {required!r}")
-    cameras = sorted(k for k in first if k.startswith(CAMERA_PREFIX))
-    vectors = [k for k in first if k != "task" and not k.startswith(CAMERA_PREFIX)]
+    cameras = sorted(k for k in first if is_camera_key(k))
+    vectors = [k for k in first if k != "task" and not is_camera_key(k)]
     features: dict[str, dict] = {}
     for key in cameras:
         height, width = np.asarray(first[key]).shape[1:3]

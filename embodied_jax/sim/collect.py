@@ -1,15 +1,29 @@
 """Scripted-expert demonstrations written as a LeRobot dataset.
 
     python -m embodied_jax.sim.collect TASK --episodes N --out DIR [--image-size H [W]]
+    python -m embodied_jax.sim.collect metaworld:<task>[,<task>...]|metaworld:mt10 --episodes N --out DIR
 
-Episodes are simulated in batches (one jitted rollout of the task's ``collect_steps``,
-rendered with the configured renderer), cut at the step where they finished, and, by default, only successful
-ones are kept until N are collected. Each frame holds ``observation.state`` (joint
-state), ``observation.images.<camera>`` (``scene`` and wrist cameras, mp4) and
-``action`` (the expert's joint targets); the episode's task string is the
-instruction. Writing is done by :func:`embodied_jax.data.writer.write_lerobot_dataset`,
-with GR00T's ``meta/modality.json`` (:func:`task_modality`: per arm a ``hand`` position and a
+Built-in tasks: episodes are simulated in batches (one jitted rollout of the task's
+``collect_steps``, rendered with the configured renderer), cut at the step where they finished,
+and, by default, only successful ones are kept until N are collected. Each frame holds
+``observation.state`` (joint state), ``observation.images.<camera>`` (``scene`` and wrist
+cameras) and ``action`` (the expert's joint targets); the episode's task string is the
+instruction. Writing is done by :func:`embodied_jax.data.writer.write_lerobot_dataset`, with
+GR00T's ``meta/modality.json`` (:func:`task_modality`: per arm a ``hand`` position and a
 ``gripper`` group of state and action, each camera as a video, the task as annotation).
+``metaworld:`` tasks run Meta-World's own scripted policies in its own environments
+(:mod:`embodied_jax.sim.metaworld`: N episodes per task, LeRobot's Meta-World layout).
+
+Frames are stored losslessly by default (PNG in the parquet, LeRobot's ``image`` feature): a
+frame read back is exactly the render the evaluation shows the policy. At the demo's 32 px a
+few-pixel object straddles H.264's 2x2 chroma blocks and loses most of its colour
+(``--image-storage video`` keeps the mp4 form, e.g. for large images).
+
+DART: ``--noise`` perturbs the executed hand positions while the recorded actions stay the
+expert's, so the demonstrations show recoveries. Its default is the task's calibrated level
+(``Task.dart_noise``: the largest of ``NOISE_LEVELS`` at which the noisy expert still succeeds in
+at least ``DART_TARGET`` of its episodes); ``--noise auto`` measures it again
+(:func:`calibrate_noise`). Collection prints the noisy expert's success rate.
 """
 
 from __future__ import annotations
@@ -81,15 +95,81 @@ def _expert_rollout(env: env_lib.Env, batch: int, steps: int, noise: float):
     )
 
 
-def task_modality(task: tasks_lib.Task) -> Modality:
+NOISE_LEVELS = (0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02)  # metres: the candidates of calibrate_noise
+DART_TARGET = 0.9  # the noisy expert's least success rate at the calibrated noise
+CALIBRATION_EPISODES = 128
+
+
+def expert_success_rate(
+    env: env_lib.Env, noise: float, *, episodes: int = CALIBRATION_EPISODES, seed: int = 0
+) -> float:
+    """Fraction of ``episodes`` the scripted expert completes with ``noise`` (metres, std) on its
+    executed hand positions, within the task's collection length (no rendering)."""
+    steps = env.task.collect_steps or env.episode_limit
+    run = rollout_lib.make_rollout(env, rollout_lib.expert_policy(env), episodes, steps=steps, execution_noise=noise)
+    return float(np.asarray(run(jax.random.key(seed)).success[-1]).mean())
+
+
+def calibrate_noise(
+    env: env_lib.Env,
+    *,
+    target: float = DART_TARGET,
+    levels: Sequence[float] = NOISE_LEVELS,
+    episodes: int = CALIBRATION_EPISODES,
+    seed: int = 0,
+) -> tuple[float, dict[float, float]]:
+    """The largest of ``levels`` (ascending; stops at the first miss) at which the noisy expert
+    succeeds in at least ``target`` of ``episodes``, 0.0 if none; and the success rate measured
+    at each level tried."""
+    chosen, measured = 0.0, {}
+    for level in sorted(levels):
+        measured[level] = expert_success_rate(env, level, episodes=episodes, seed=seed)
+        if measured[level] < target:
+            break
+        chosen = level
+    return chosen, measured
+
+
+def resolve_noise(env: env_lib.Env, noise: float | str | None, *, seed: int = 0) -> float:
+    """``noise`` as metres: None -> the task's ``dart_noise``; ``"auto"`` -> :func:`calibrate_noise` (printed)."""
+    if noise is None:
+        return float(env.task.dart_noise)
+    if noise == "auto":
+        chosen, measured = calibrate_noise(env, seed=seed)
+        table = ", ".join(f"{level * 100:g} cm: {rate:.1%}" for level, rate in measured.items())
+        print(f"{env.name}: noisy expert success by DART noise ({CALIBRATION_EPISODES} episodes each): {table}")
+        print(f"{env.name}: calibrated DART noise {chosen * 100:g} cm (expert success >= {DART_TARGET:.0%})")
+        return chosen
+    if isinstance(noise, str):
+        raise ValueError(f"noise={noise!r}: metres (a number) or 'auto'")
+    if not (noise >= 0 and np.isfinite(noise)):
+        raise ValueError(f"noise={noise}: a finite std in metres, >= 0")
+    return float(noise)
+
+
+def success_line(task: str, noise: float, stats: dict) -> str:
+    """``<task>: noisy expert succeeded in k of n episodes (p%) at x cm of DART noise``."""
+    attempts, successes = stats.get("attempts", 0), stats.get("successes", 0)
+    rate = successes / attempts if attempts else 0.0
+    return (
+        f"{task}: expert succeeded in {successes} of {attempts} simulated episodes ({rate:.1%}) "
+        f"at {noise * 100:g} cm of DART noise"
+    )
+
+
+def task_modality(task: tasks_lib.Task, *, phase: bool = False) -> Modality:
     """The dataset's modality.json: state and action are ``[x, y, z, grip]`` per arm
-    (``Task.robot_state``, ``Task.apply_action``), cameras are ``observation.images.<camera>``."""
+    (``Task.robot_state``, ``Task.apply_action``), the state then the episode's ``phase`` when
+    collected with it (``EnvConfig.phase_in_state``); cameras are ``observation.images.<camera>``."""
     groups = {}
     for i, arm in enumerate(task.arms):
         groups[f"{arm.prefix}hand"] = (4 * i, 4 * i + 3)
         groups[f"{arm.prefix}gripper"] = (4 * i + 3, 4 * i + 4)
+    state = dict(groups)
+    if phase:
+        state["phase"] = (4 * len(task.arms), 4 * len(task.arms) + 1)
     return Modality(
-        state=groups,
+        state=state,
         action=groups,
         video={camera: f"observation.images.{camera}" for camera in task.cameras},
         annotation={"human.task_description": "task_index"},  # GR00T's name for the instruction
@@ -105,13 +185,15 @@ def expert_episodes(
     keep_failures: bool = False,
     max_batches: int | None = None,
     noise: float = 0.0,
+    stats: dict | None = None,
 ) -> list[dict]:
     """Run the scripted expert until ``episodes`` (successful, unless ``keep_failures``) are gathered.
 
     ``noise``: std (metres) of the perturbation of executed hand positions; the recorded
     actions stay the expert's (see :func:`~embodied_jax.sim.rollout.make_rollout`).
     ``max_batches`` (default: twice the batches needed at full success, plus 4) bounds the
-    attempts when the expert fails often.
+    attempts when the expert fails often. ``stats``, if given, accumulates ``attempts`` and
+    ``successes`` over every simulated episode (the noisy expert's success rate).
     """
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
@@ -127,6 +209,9 @@ def expert_episodes(
         rng, key = jax.random.split(rng)
         traj = jax.tree.map(np.asarray, run(key))
         lengths = rollout_lib.episode_lengths(traj)
+        if stats is not None:
+            stats["attempts"] = stats.get("attempts", 0) + batch
+            stats["successes"] = stats.get("successes", 0) + int(traj.success[-1].sum())
         for b in range(batch):
             if len(out) == episodes:
                 return out
@@ -157,28 +242,42 @@ def collect(
     renderer: str = "auto",
     version: str = "v3.0",
     codec: str = "h264",
+    image_storage: str = "png",
     keep_failures: bool = False,
-    noise: float = 0.0,
+    noise: float | str | None = None,
+    phase_in_state: bool = False,
 ) -> pathlib.Path:
-    """Write ``episodes`` expert demonstrations of ``task`` as a LeRobot dataset under ``out``."""
+    """Write ``episodes`` expert demonstrations of ``task`` as a LeRobot dataset under ``out``.
+
+    ``noise``: DART execution noise in metres; None: the task's calibrated ``dart_noise``;
+    ``"auto"``: calibrated now (:func:`calibrate_noise`, printed). The noisy expert's success
+    rate over every simulated episode is printed. ``phase_in_state``: the state ends with the
+    episode's phase (``EnvConfig.phase_in_state``; evaluate with the same)."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
-    env = env_lib.Env(task, env_lib.EnvConfig(image_size=tuple(image_size), renderer=renderer))
-    eps = expert_episodes(env, episodes, seed=seed, batch=batch, keep_failures=keep_failures, noise=noise)
+    config = env_lib.EnvConfig(image_size=tuple(image_size), renderer=renderer, phase_in_state=phase_in_state)
+    env = env_lib.Env(task, config)
+    noise = resolve_noise(env, noise, seed=seed)
+    stats: dict = {}
+    eps = expert_episodes(env, episodes, seed=seed, batch=batch, keep_failures=keep_failures, noise=noise, stats=stats)
+    print(success_line(task, noise, stats), flush=True)
     return write_lerobot_dataset(
         out,
         eps,
         fps=round(1.0 / env.control_dt),
         version=version,
         codec=codec,
+        image_storage=image_storage,
         robot_type=ROBOT_TYPE,
-        modality=task_modality(env.task).to_json(),
+        modality=task_modality(env.task, phase=phase_in_state).to_json(),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m embodied_jax.sim.collect", description=__doc__.splitlines()[0])
-    parser.add_argument("task", choices=sorted(tasks_lib.TASKS))
+    parser.add_argument(
+        "task", help=f"a built-in task ({', '.join(sorted(tasks_lib.TASKS))}) or metaworld:<task>[,<task>...]|mt10|mt50"
+    )
     parser.add_argument("--episodes", type=int, required=True)
     parser.add_argument("--out", required=True, help="dataset directory to create")
     parser.add_argument(
@@ -193,20 +292,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="episodes simulated per rollout")
     parser.add_argument("--renderer", choices=("auto", "warp", "raycast"), default="auto")
     parser.add_argument("--version", choices=("v3.0", "v2.1"), default="v3.0")
-    parser.add_argument("--codec", choices=("h264", "av1"), default="h264")
+    parser.add_argument(
+        "--image-storage",
+        choices=("png", "video"),
+        default="png",
+        help="png: lossless frames in the parquet (default); video: mp4 in --codec",
+    )
+    parser.add_argument("--codec", choices=("h264", "av1"), default="h264", help="with --image-storage video")
     parser.add_argument("--keep-failures", action="store_true", help="also write unsuccessful episodes")
     parser.add_argument(
+        "--phase-in-state", action="store_true", help="append the episode's phase (step / limit) to the state"
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="metaworld: tasks only: steps per episode (default: the evaluation's limit, 200)",
+    )
+    parser.add_argument(
         "--noise",
-        type=float,
-        default=0.0,
-        help="std (metres) of noise on executed hand positions; recorded actions stay clean",
+        default=None,
+        help="std (metres) of DART noise on executed hand positions (recorded actions stay the expert's); "
+        "'auto': calibrate it now; default: the task's calibrated level",
     )
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     if len(args.image_size) not in (1, 2):
         parser.error("--image-size takes one (square) or two (height width) integers")
     size = tuple(args.image_size) * (2 if len(args.image_size) == 1 else 1)
+    metaworld_task = args.task.startswith("metaworld:")
+    if not metaworld_task and args.task not in tasks_lib.TASKS:
+        parser.error(f"task {args.task!r}: one of {sorted(tasks_lib.TASKS)} or metaworld:<task>")
+    if args.max_steps is not None and not metaworld_task:
+        parser.error("--max-steps is for metaworld: tasks (a built-in task collects its own collect_steps)")
+    noise = args.noise
+    if noise not in (None, "auto"):
+        try:
+            noise = float(noise)
+        except ValueError:
+            parser.error(f"--noise {noise!r}: metres (a number) or 'auto'")
     try:
+        if metaworld_task:
+            from embodied_jax.sim import metaworld
+
+            root = metaworld.collect(
+                args.task,
+                args.episodes,
+                args.out,
+                image_size=size,
+                seed=args.seed,
+                noise=None if noise == "auto" else noise,
+                keep_failures=args.keep_failures,
+                image_storage=args.image_storage,
+                codec=args.codec,
+                **({} if args.max_steps is None else {"max_steps": args.max_steps}),
+            )
+            print(f"wrote {args.episodes} episodes of each of {args.task} to {root}")
+            return 0
         root = collect(
             args.task,
             args.episodes,
@@ -217,8 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             renderer=args.renderer,
             version=args.version,
             codec=args.codec,
+            image_storage=args.image_storage,
             keep_failures=args.keep_failures,
-            noise=args.noise,
+            noise=noise,
+            phase_in_state=args.phase_in_state,
         )
     except INPUT_ERRORS + (ValueError,) as exc:
         return fail(exc, verbose=args.verbose)

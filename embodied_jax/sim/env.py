@@ -66,6 +66,9 @@ class EnvConfig:
     physics: str = "jax"
     renderer: str = "auto"  # "warp", "raycast" or "auto" (Warp when installed)
     shadows: bool = True  # hard shadows from the directional light (a depth cue)
+    # Append the episode's phase (control steps taken / episode limit, in [0, 1]) to the robot
+    # state: a policy then knows how far into the episode it is, as the time-scheduled experts do.
+    phase_in_state: bool = False
     warp_max_worlds: int = 1024  # contact buffer size when physics="warp"
 
     def __post_init__(self):
@@ -142,7 +145,7 @@ class Env(Cameras):
 
     @property
     def state_dim(self) -> int:
-        return self.task.state_dim
+        return self.task.state_dim + int(self.config.phase_in_state)
 
     @property
     def control_dt(self) -> float:
@@ -211,8 +214,13 @@ class Env(Cameras):
 
     # --- observations (batched) ----------------------------------------------------
     def robot_state(self, states: EnvState) -> jax.Array:
-        """float32 [B, state_dim]: joint positions, grip opening in [0, 1]."""
-        return jax.vmap(self.task.robot_state)(states.data)
+        """float32 [B, state_dim]: joint positions, grip opening in [0, 1] (then the phase, with
+        ``EnvConfig.phase_in_state``)."""
+        robot = jax.vmap(self.task.robot_state)(states.data)
+        if not self.config.phase_in_state:
+            return robot
+        phase = jnp.minimum(states.step, self.episode_limit).astype(jnp.float32) / self.episode_limit
+        return jnp.concatenate([robot, phase[:, None]], axis=-1)
 
     def random_actions(self, rng: jax.Array, batch: int) -> jax.Array:
         """Uniform random joint targets within the action bounds, [batch, action_dim]."""

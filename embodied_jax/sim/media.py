@@ -1,4 +1,4 @@
-"""Writing rollout frames to disk: H.264 mp4 videos (PyAV) and PNG frame grids (Pillow)."""
+"""Writing rollout frames to disk: H.264 mp4 videos (PyAV), PNG frame grids and line plots (Pillow)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,46 @@ def write_png(path: str | os.PathLike, image: np.ndarray) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(np.asarray(image, np.uint8)).save(path)
     return path
+
+
+PLOT_COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75))
+
+
+def line_plot(
+    series: dict[str, list[tuple[float, float]]], *, title: str = "", size: tuple[int, int] = (640, 400)
+) -> np.ndarray:
+    """uint8 [H, W, 3]: each series' (x, y) points as a line with markers, y in [0, 1] (success
+    rates), x from 0 to the largest x; a legend of the first series' names and an axis at each 0.25."""
+    from PIL import Image, ImageDraw
+
+    width, height = size
+    left, right, top, bottom = 48, 16, 28, 36
+    image = Image.new("RGB", size, (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    x_max = max((x for points in series.values() for x, _ in points), default=1) or 1
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        px = left + (width - left - right) * x / x_max
+        py = height - bottom - (height - top - bottom) * min(max(y, 0.0), 1.0)
+        return px, py
+
+    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
+        _, y = at(0, tick)
+        draw.line([(left, y), (width - right, y)], fill=(225, 225, 225))
+        draw.text((4, y - 6), f"{tick:.0%}", fill=(0, 0, 0))
+    draw.line([(left, top), (left, height - bottom), (width - right, height - bottom)], fill=(0, 0, 0))
+    for frac in (0.0, 0.5, 1.0):
+        x, y = at(frac * x_max, 0.0)
+        draw.text((x - 12, y + 6), f"{frac * x_max:g}", fill=(0, 0, 0))
+    draw.text((width // 2 - 20, height - 16), "step", fill=(0, 0, 0))
+    draw.text((left, 6), title, fill=(0, 0, 0))
+    for k, (name, points) in enumerate(series.items()):
+        color = PLOT_COLORS[k % len(PLOT_COLORS)]
+        xy = [at(x, y) for x, y in sorted(points)]
+        if len(xy) > 1:
+            draw.line(xy, fill=color, width=2)
+        for x, y in xy:
+            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=color)
+        if k < 12:
+            draw.text((width - right - 200, top + 4 + 12 * k), name, fill=color)
+    return np.asarray(image)

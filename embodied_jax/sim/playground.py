@@ -12,6 +12,14 @@ evaluator runs it unchanged. Physics uses MJX's Warp backend by default: these r
 are mesh-heavy, and the JAX backend compiles and steps them far too slowly on CPU.
 Images come from the Warp batch renderer; the ray-caster
 draws primitive geoms only.
+
+What the policy is told, by default, is only what a robot knows of itself: its state is the
+positions of the actuated joints (``proprio_state``), never Playground's whole observation,
+which holds object and target poses (``privileged_state=True`` asks for it). Success is read per
+environment from what that environment really computes (:data:`SUCCESS_READERS`, documented
+there); an environment that reports nothing usable is refused with a clear error unless a
+``success_fn`` is given, instead of scoring 0%. ``playground_scene.EmbodiedJaxReach`` is a scene
+of the project's own registered with Playground, needing no downloaded asset (the tests use it).
 """
 
 from __future__ import annotations
@@ -29,6 +37,40 @@ from embodied_jax.errors import InputError
 from embodied_jax.sim import env as env_lib
 
 MENAGERIE_REPO = "https://github.com/google-deepmind/mujoco_menagerie"
+# Playground 0.2.0's manipulation envs: their robots come from mujoco_menagerie.
+MENAGERIE_ENVS = frozenset(
+    {
+        "AlohaHandOver",
+        "AlohaSinglePegInsertion",
+        "PandaPickCube",
+        "PandaPickCubeOrientation",
+        "PandaPickCubeCartesian",
+        "PandaOpenCabinet",
+        "PandaRobotiqPushCube",
+        "LeapCubeReorient",
+        "LeapCubeRotateZAxis",
+        "AeroCubeRotateZAxis",
+    }
+)
+
+
+def _box_at_target(env, state) -> jax.Array:
+    return jnp.linalg.norm(state.data.xpos[env._obj_body] - state.info["target_pos"]) < 0.05
+
+
+# How success is read from each Playground env (what its source computes, playground 0.2.0):
+# name -> (what is read, reader(playground_env, playground_state) -> bool). An env not listed is read
+# from ``metrics["success"]`` when it reports one; otherwise it needs a ``success_fn``.
+SUCCESS_READERS: dict[str, tuple[str, Callable[[Any, Any], jax.Array]]] = {
+    "PandaRobotiqPushCube": ('metrics["success"] > 0 (set by the env)', lambda env, s: s.metrics["success"] > 0),
+    "PandaPickCubeCartesian": (
+        'metrics["reward/success"] > 0 (the env\'s box-to-target test, 5 cm)',
+        lambda env, s: s.metrics["reward/success"] > 0,
+    ),
+    # These compute no success at all: the box within 5 cm of the target, PandaPickCubeCartesian's own test.
+    "PandaPickCube": ("box within 5 cm of info['target_pos'] (the env reports none)", _box_at_target),
+    "PandaPickCubeOrientation": ("box within 5 cm of info['target_pos'] (the env reports none)", _box_at_target),
+}
 
 
 class PlaygroundUnavailable(InputError, RuntimeError):
@@ -77,11 +119,12 @@ def ensure_assets(menagerie_dir: str | os.PathLike | None = None) -> pathlib.Pat
 class PlaygroundEnv(env_lib.Cameras):
     """A Playground manipulation env behind :class:`~embodied_jax.sim.env.Env`'s interface.
 
-    ``success_fn(playground_state) -> bool`` decides success (default: a ``success``
-    metric when the env reports one, else never). ``state_fn`` picks the robot state
-    from Playground's observation (default: the flat observation, or its ``state`` entry).
-    As with ``Env``, a world that diverges ends as a failure at its last finite state, and
-    ``step`` returns a done world unchanged.
+    ``success_fn(playground_state) -> bool`` decides success (default: the env's entry in
+    :data:`SUCCESS_READERS`, else its ``metrics["success"]``; an env with neither is refused).
+    ``state_fn(playground_state)`` gives the policy's state (default: the actuated joints'
+    positions; ``privileged_state=True``: Playground's whole observation, object and target poses
+    included). As with ``Env``, a world that diverges ends as a failure at its last finite state,
+    and ``step`` returns a done world unchanged.
     """
 
     def __init__(
@@ -95,9 +138,13 @@ class PlaygroundEnv(env_lib.Cameras):
         config_overrides: dict | None = None,
         success_fn: Callable[[Any], jax.Array] | None = None,
         state_fn: Callable[[Any], jax.Array] | None = None,
+        privileged_state: bool = False,
         menagerie_dir=None,
     ):
-        ensure_assets(menagerie_dir)
+        if name in MENAGERIE_ENVS:
+            ensure_assets(menagerie_dir)
+        elif importlib.util.find_spec("mujoco_playground") is None:
+            _playground_root()  # the error that says how to install it
         from mujoco_playground import registry  # optional dependency
 
         manipulation = set(registry.manipulation.ALL_ENVS)
@@ -110,7 +157,7 @@ class PlaygroundEnv(env_lib.Cameras):
                 f"config_overrides impl={overrides['impl']!r} contradicts EnvConfig.physics="
                 f"{config.physics!r}; set the backend through EnvConfig"
             )
-        self._pg = registry.load(name, config_overrides=overrides)
+        self._pg = _instantiate(registry, name, overrides)
         self.name = name
         self.instruction = instruction or name
         self.config = config
@@ -122,10 +169,29 @@ class PlaygroundEnv(env_lib.Cameras):
             raise ValueError(f"Playground env {name!r} has no cameras; pass cameras= naming some")
         self.action_dim = int(self._pg.action_size)
         self.control_dt = float(self._pg.dt)
-        self._success_fn = success_fn or (lambda s: s.metrics.get("success", jnp.zeros(())) > 0)
-        self._state_fn = state_fn or (lambda s: s.obs["state"] if isinstance(s.obs, dict) else s.obs)
+        if state_fn is not None and privileged_state:
+            raise ValueError("state_fn and privileged_state=True both choose the state: pass one")
+        self.success_source, self._success_fn = self._success_reader(success_fn)
+        if state_fn is None:
+            state_fn = _full_observation if privileged_state else proprio_state(self.mj_model)
+        self._state_fn = state_fn
         self.renderers = env_lib.renderer_cache(self.mj_model, config)
         self.renderer()  # fail now on a model the chosen renderer cannot draw
+
+    def _success_reader(self, success_fn) -> tuple[str, Callable[[Any], jax.Array]]:
+        if success_fn is not None:
+            return "success_fn", success_fn
+        if self.name in SUCCESS_READERS:
+            source, reader = SUCCESS_READERS[self.name]
+            return source, lambda s: reader(self._pg, s)
+        metrics = jax.eval_shape(self._pg.reset, jax.random.key(0)).metrics
+        if "success" in metrics:
+            return 'metrics["success"] > 0', lambda s: s.metrics["success"] > 0
+        raise ValueError(
+            f"Playground env {self.name!r} reports no success (its metrics: {sorted(metrics)}), and this adapter "
+            f"knows no reading of it (SUCCESS_READERS): pass success_fn=(playground_state -> bool) saying what "
+            f"success is, rather than scoring every episode a failure"
+        )
 
     def reset(self, rng: jax.Array) -> env_lib.EnvState:
         pg = self._pg.reset(rng)
@@ -164,6 +230,43 @@ class PlaygroundEnv(env_lib.Cameras):
 
     def robot_state(self, states: env_lib.EnvState) -> jax.Array:
         return jax.vmap(self._state_fn)(states.info["playground"]).astype(jnp.float32)
+
+
+def _instantiate(registry, name: str, overrides: dict):
+    """Playground's ``registry.load`` clones mujoco_menagerie from GitHub whenever it is absent, even
+    for an env that uses none of it: envs outside ``MENAGERIE_ENVS`` (registered by a user, or the
+    project's ``playground_scene``) are built from the manipulation registry's class and default config
+    directly, so nothing is fetched."""
+    if name in MENAGERIE_ENVS:
+        return registry.load(name, config_overrides=overrides)
+    manipulation = registry.manipulation
+    classes = getattr(manipulation, "_envs", None)
+    if not isinstance(classes, dict) or name not in classes:
+        raise ValueError(
+            f"cannot build {name!r} without Playground's loader (its registry changed): installed "
+            f"playground differs from the 0.2.0 this adapter was written for"
+        )
+    return classes[name](config=manipulation.get_default_config(name), config_overrides=overrides)
+
+
+def _full_observation(state) -> jax.Array:
+    return state.obs["state"] if isinstance(state.obs, dict) else state.obs
+
+
+def proprio_state(mj_model) -> Callable[[Any], jax.Array]:
+    """``state -> float32 [J]``: the positions of the joints the actuators drive (what a robot knows
+    of itself); refuses a model whose actuators drive no joint (pass a ``state_fn``)."""
+    import mujoco
+
+    joints = sorted(
+        {int(mj_model.actuator_trnid[i, 0]) for i in range(mj_model.nu) if mj_model.actuator_trntype[i] == 0}
+    )
+    free = (mujoco.mjtJoint.mjJNT_FREE, mujoco.mjtJoint.mjJNT_BALL)
+    joints = [j for j in joints if mj_model.jnt_type[j] not in free]
+    if not joints:
+        raise ValueError("the model's actuators drive no hinge or slide joint: pass state_fn to choose the state")
+    addresses = jnp.asarray([int(mj_model.jnt_qposadr[j]) for j in joints])
+    return lambda state: state.data.qpos[addresses]
 
 
 def load_playground_env(name: str, **kwargs) -> PlaygroundEnv:
