@@ -128,9 +128,9 @@ def test_weld_adaptation_fits_this_metaworld_and_refuses_a_changed_one():
     import mujoco
 
     metaworld.adapt()
-    model = mujoco.MjModel.from_xml_string(metaworld._WELD_PROBE)
+    model = mujoco.MjModel.from_xml_string(metaworld.env._WELD_PROBE)
     assert model.eq_data.shape[1] == 12  # mujoco 3.17: one more value per weld than Meta-World writes
-    assert sawyer.SawyerMocapBase.reset_mocap_welds is metaworld._reset_mocap_welds
+    assert sawyer.SawyerMocapBase.reset_mocap_welds is metaworld.env._reset_mocap_welds
     original = inspect.getsource(metaworld.adapted_from())
     metaworld.check_adaptable(original, 12)  # the installed source writes the 11 values adapted
     changed = original.replace("5.0", "6.0")

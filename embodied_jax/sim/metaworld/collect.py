@@ -1,0 +1,154 @@
+"""Meta-World's scripted policies as LeRobot demonstrations, with DART noise calibrated per task."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from embodied_jax.sim.metaworld.env import MetaWorldEnv, check_gl
+from embodied_jax.sim.metaworld.suite import (
+    ACTION_KEY,
+    FPS,
+    IMAGE_KEY,
+    ROBOT_TYPE,
+    STATE_KEY,
+    STEP_LIMIT,
+    episode_seed,
+    parse_tasks,
+)
+
+NOISE_LEVELS = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+DART_TARGET = 0.9
+CALIBRATION_EPISODES = 50
+
+
+@dataclasses.dataclass
+class ExpertResult:
+    success: bool
+    length: int
+    episode: dict[str, Any] | None  # recorded frames (None when not recording)
+
+
+def expert_episode(
+    env: MetaWorldEnv, seed: int, *, noise: float = 0.0, record: bool = True, limit: int = STEP_LIMIT
+) -> ExpertResult:
+    """Meta-World's scripted policy for one episode. ``noise``: std of Gaussian noise on the
+    executed end-effector delta (DART; the recorded action stays the expert's). Frame t holds
+    the observation before action t; the episode ends with the action that succeeded."""
+    env.reset(seed)
+    rng = np.random.default_rng(seed)
+    states, actions, frames = [], [], []
+    success, length = False, 0
+    while length < limit and not success:
+        action = env.expert_action()
+        if record:
+            states.append(env.state())
+            actions.append(action)
+            frames.append(env.render())
+        executed = action.copy()
+        if noise:
+            executed[:3] += noise * rng.standard_normal(3)
+        success = env.step(executed)
+        length += 1
+    episode = None
+    if record:
+        episode = {
+            "task": env.instruction,
+            STATE_KEY: np.stack(states),
+            ACTION_KEY: np.clip(np.stack(actions), -1.0, 1.0).astype(np.float32),
+            IMAGE_KEY: np.stack(frames),
+        }
+    return ExpertResult(success, length, episode)
+
+
+def calibrate_noise(
+    task: str,
+    *,
+    target: float = DART_TARGET,
+    levels: Sequence[float] = NOISE_LEVELS,
+    episodes: int = CALIBRATION_EPISODES,
+    seed: int = 0,
+) -> tuple[float, dict[float, float]]:
+    """The largest of ``levels`` (ascending; stops at the first miss) at which the noisy scripted
+    policy succeeds in at least ``target`` of ``episodes`` (no rendering), 0.0 if none; and the
+    success rate measured at each level tried (seeds apart from collection's and evaluation's)."""
+    env = MetaWorldEnv(task)
+    chosen, measured = 0.0, {}
+    try:
+        for level in sorted(levels):
+            wins = sum(
+                expert_episode(env, episode_seed(seed + 1000, task, i), noise=level, record=False).success
+                for i in range(episodes)
+            )
+            measured[level] = wins / episodes
+            if measured[level] < target:
+                break
+            chosen = level
+    finally:
+        env.close()
+    return chosen, measured
+
+
+def collect(
+    tasks: str | Sequence[str],
+    episodes: int,
+    out: str | os.PathLike,
+    *,
+    image_size: tuple[int, int] = (64, 64),
+    seed: int = 0,
+    noise: float | None = None,
+    keep_failures: bool = False,
+    max_attempts: int | None = None,
+    image_storage: str = "png",
+    codec: str = "h264",
+    max_steps: int = STEP_LIMIT,
+    log: Callable[[str], None] = print,
+) -> pathlib.Path:
+    """``episodes`` scripted demonstrations per task written as one LeRobot v3.0 dataset.
+
+    ``noise``: DART std in action units for every task; None: calibrated per task
+    (:func:`calibrate_noise`, printed). Episode ``i`` of a task resets with
+    ``episode_seed(seed, task, i)``; failed episodes are skipped (unless ``keep_failures``) and
+    the next seed tried, at most ``max_attempts`` (default 2 x episodes + 10) per task. Frames are
+    lossless PNG by default (``image_storage="video"``: mp4 in ``codec``). ``max_steps``: the
+    episode's step limit (:data:`STEP_LIMIT`, the evaluation's; lower only for quick checks)."""
+    from embodied_jax.data.writer import write_lerobot_dataset
+
+    names = parse_tasks(tasks) if isinstance(tasks, str) else tuple(tasks)
+    if episodes < 1 or max_steps < 1:
+        raise ValueError(f"episodes ({episodes}) and max_steps ({max_steps}) must be >= 1")
+    check_gl()
+    if noise is not None and not (np.isfinite(noise) and noise >= 0):
+        raise ValueError(f"noise={noise}: a finite std in action units, >= 0")
+    recorded: list[dict] = []
+    for task in names:
+        level = noise
+        if level is None:
+            level, measured = calibrate_noise(task, seed=seed)
+            table = ", ".join(f"{k:g}: {v:.0%}" for k, v in measured.items())
+            log(f"metaworld:{task}: scripted success by DART noise ({CALIBRATION_EPISODES} episodes each): {table}")
+        env = MetaWorldEnv(task, image_size)
+        kept, attempts, wins = 0, 0, 0
+        limit = max_attempts or 2 * episodes + 10
+        try:
+            while kept < episodes and attempts < limit:
+                result = expert_episode(env, episode_seed(seed, task, attempts), noise=level, limit=max_steps)
+                attempts += 1
+                wins += result.success
+                if result.success or keep_failures:
+                    recorded.append(result.episode)
+                    kept += 1
+        finally:
+            env.close()
+        log(
+            f"metaworld:{task}: scripted policy succeeded in {wins} of {attempts} episodes ({wins / attempts:.1%}) "
+            f"at DART noise {level:g}"
+        )
+        if kept < episodes:
+            raise RuntimeError(f"metaworld:{task}: only {kept} successful episodes in {attempts} attempts")
+    return write_lerobot_dataset(out, recorded, fps=FPS, version="v3.0", image_storage="png", robot_type=ROBOT_TYPE)

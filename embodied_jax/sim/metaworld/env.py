@@ -1,0 +1,173 @@
+"""Meta-World's own environments, run unchanged: the import adapted to this MuJoCo (the weld
+width), headless OpenGL, and one task's environment reset from a seed and rendered upright."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+
+import numpy as np
+
+from embodied_jax.sim.metaworld.suite import CAMERA, INSTALL, INSTRUCTIONS, VERSION, MetaWorldError
+
+_WELD = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 5.0)  # what Meta-World writes per weld
+
+
+def _reset_mocap_welds(self) -> None:
+    """Meta-World's weld reset for MuJoCo versions whose welds hold more than 11 values: the same
+    11 values in the first 11 slots, the rest (the weld's torque scale) left as compiled."""
+    import mujoco
+
+    if self.model.nmocap > 0 and self.model.eq_data is not None:
+        for i in range(self.model.eq_data.shape[0]):
+            if self.model.eq_type[i] == mujoco.mjtEq.mjEQ_WELD:
+                self.model.eq_data[i, : len(_WELD)] = _WELD
+
+
+def check_adaptable(source: str, eq_width: int) -> None:
+    """The weld adaptation fits ``reset_mocap_welds``'s ``source`` and MuJoCo's weld width, or refuses."""
+    compact = "".join(source.split())
+    written = "np.array([" + ",".join(f"{v}" for v in _WELD) + "])"
+    if written not in compact:
+        raise MetaWorldError(
+            "this Meta-World's SawyerMocapBase.reset_mocap_welds no longer writes the 11 weld values "
+            "embodied_jax.sim.metaworld adapts (found another body): review the adaptation "
+            f"(tested with metaworld=={VERSION})"
+        )
+    if eq_width < len(_WELD):
+        raise MetaWorldError(f"MuJoCo stores {eq_width} values per weld, fewer than Meta-World's {len(_WELD)}")
+
+
+@functools.lru_cache(maxsize=1)
+def adapt():
+    """Import Meta-World (clear error if missing), adapted to the installed MuJoCo; returns the module."""
+    try:
+        import metaworld
+        import metaworld.sawyer_xyz_env as sawyer
+    except ImportError as exc:
+        raise MetaWorldError(f"Meta-World is not installed ({exc}): {INSTALL}") from exc
+    import mujoco
+
+    base = sawyer.SawyerMocapBase
+    current = base.reset_mocap_welds
+    if current is not _reset_mocap_welds:
+        _ADAPTED_FROM[:] = [current]
+        source = inspect.getsource(current)
+        width = mujoco.MjModel.from_xml_string(_WELD_PROBE).eq_data.shape[1]
+        check_adaptable(source, width)
+        if width != len(_WELD):
+            base.reset_mocap_welds = _reset_mocap_welds
+    return metaworld
+
+
+_ADAPTED_FROM: list = []
+
+
+def adapted_from():
+    """Meta-World's own ``reset_mocap_welds`` as installed (before :func:`adapt` replaced it)."""
+    adapt()
+    return _ADAPTED_FROM[0]
+
+
+_WELD_PROBE = """<mujoco><worldbody><body name="a" mocap="true"/><body name="b"><freejoint/>
+<geom size=".1"/></body></worldbody><equality><weld body1="a" body2="b"/></equality></mujoco>"""
+
+
+GL_PACKAGES = {"egl": "libegl1 libegl-mesa0", "osmesa": "libosmesa6"}
+
+
+@functools.lru_cache(maxsize=1)
+def check_gl() -> str:
+    """Select a headless OpenGL backend for MuJoCo's renderer and make one context with it; returns
+    the backend, or raises one clear error naming the package to install.
+
+    ``MUJOCO_GL`` wins when set; otherwise EGL without a display (MuJoCo chose its backend when it
+    was imported, before this module could set the variable, so the choice is made here)."""
+    import importlib
+
+    import mujoco
+    from mujoco.rendering.classic import gl_context
+
+    backend = os.environ.get("MUJOCO_GL", "").lower() or ("glfw" if os.environ.get("DISPLAY") else "egl")
+    package = GL_PACKAGES.get(backend, GL_PACKAGES["egl"])
+    try:
+        if backend in GL_PACKAGES:
+            os.environ.setdefault("MUJOCO_GL", backend)
+            gl_context.GLContext = importlib.import_module(f"mujoco.{backend}").GLContext
+        context = gl_context.GLContext(8, 8)
+        context.free()
+    except (ImportError, OSError, RuntimeError, AttributeError, mujoco.FatalError) as exc:  # the GL loaders' kinds
+        raise MetaWorldError(
+            f"no headless OpenGL for MUJOCO_GL={backend} ({type(exc).__name__}: {exc}): "
+            f"apt-get install -y {package} (or set MUJOCO_GL=egl|osmesa)"
+        ) from exc
+    return backend
+
+
+class MetaWorldEnv:
+    """One Meta-World task in its own (goal-observable) environment, reset from a seed, rendering
+    ``corner2`` upright at ``image_size``; ``expert_action`` is Meta-World's scripted policy."""
+
+    def __init__(self, task: str, image_size: tuple[int, int] = (64, 64)):
+        metaworld = adapt()
+        from metaworld.policies import ENV_POLICY_MAP
+
+        if task not in INSTRUCTIONS:
+            raise MetaWorldError(f"unknown Meta-World task {task!r}")
+        self.task, self.image_size = task, tuple(int(x) for x in image_size)
+        self.instruction = INSTRUCTIONS[task]
+        self._env = metaworld.ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[f"{task}-v3-goal-observable"]()
+        self._expert = ENV_POLICY_MAP[f"{task}-v3"]()
+        self._renderer = None
+        self.obs: np.ndarray | None = None
+
+    def reset(self, seed: int) -> np.ndarray:
+        env = self._env
+        env._freeze_rand_vec = False  # draw the object and goal positions from the seeded generator
+        env.seeded_rand_vec = True
+        env.seed(int(seed))
+        self.obs, _ = env.reset()
+        return self.obs
+
+    def step(self, action: np.ndarray) -> bool:
+        """Execute one action (clipped to [-1, 1]); True on success."""
+        action = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
+        self.obs, _, _, _, info = self._env.step(action)
+        return bool(info["success"])
+
+    def state(self) -> np.ndarray:
+        """float32 [4]: end-effector position and gripper opening (the policy's proprioception)."""
+        return np.asarray(self.obs[:4], np.float32)
+
+    def expert_action(self) -> np.ndarray:
+        with warnings.catch_warnings():  # its gains exceed [-1, 1] by design; actions are clipped on execution
+            warnings.filterwarnings("ignore", message="Constant.*too high")
+            return np.asarray(self._expert.get_action(self.obs), np.float32)
+
+    def render(self) -> np.ndarray:
+        """uint8 [H, W, 3]: ``corner2``, upright (MuJoCo renders it upside down)."""
+        import mujoco
+
+        if self._renderer is None:
+            check_gl()
+            height, width = self.image_size
+            self._env.model.vis.global_.offwidth = max(self._env.model.vis.global_.offwidth, width)
+            self._env.model.vis.global_.offheight = max(self._env.model.vis.global_.offheight, height)
+            self._renderer = mujoco.Renderer(self._env.model, height, width)
+        renderer = self._renderer
+        renderer.update_scene(self._env.data, camera=CAMERA)
+        for flag in (
+            mujoco.mjtRndFlag.mjRND_SHADOW,
+            mujoco.mjtRndFlag.mjRND_REFLECTION,
+            mujoco.mjtRndFlag.mjRND_SKYBOX,
+        ):
+            renderer.scene.flags[flag] = 0
+        return np.ascontiguousarray(renderer.render()[::-1, ::-1])
+
+    def close(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+        self._env.close()
