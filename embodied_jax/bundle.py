@@ -315,19 +315,24 @@ class PolicyBundle:
         if prefixes is None:
             actions = self._sample_rows(self.params, obs, keys)
         else:
-            prefix, weights = zip(*(self._guide(p) for p in prefixes), strict=True)
+            states = [o[self.inputs.state_key] for o in observations]
+            prefix, weights = zip(*(self._guide(p, st) for p, st in zip(prefixes, states, strict=True)), strict=True)
             actions = self._sample_rows(self.params, obs, keys, jnp.stack(prefix), jnp.stack(weights))
         state = np.stack([np.asarray(o[self.inputs.state_key], np.float32) for o in observations])
         return self.postprocess(np.asarray(actions), state)
 
-    def _guide(self, prefix: RtcPrefix | None) -> tuple[np.ndarray, np.ndarray]:
-        """(target chunk in the model's normalised action space [H, A], weights [H])."""
+    def _guide(self, prefix: RtcPrefix | None, state: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(target chunk in the model's normalised action space [H, A], weights [H]); ``state``: the
+        request's raw state (a delta-action policy's chunk is relative to it)."""
         horizon, width = self.action_shape
         if prefix is None:
             return np.zeros((horizon, width), np.float32), np.zeros((horizon,), np.float32)
         actions = prefix.check(horizon, width)
-        if self._delta_action_mask is not None:
-            raise ObservationError("prefix_actions: real-time chunking of a delta-action policy is not supported")
+        if self._delta_action_mask is not None:  # robot actions -> relative to this observation's state
+            mask = np.asarray(self._delta_action_mask, bool)
+            state = np.asarray(state, np.float32).reshape(-1)[: len(mask)]
+            actions = actions.copy()
+            actions[:, : len(mask)] -= np.where(mask, state, 0.0)
         if self._unnormalizer is not None:
             key = self.inputs.action_key
             actions = np.asarray(self._unnormalizer.normalize({key: actions})[key], np.float32)

@@ -44,7 +44,7 @@ class MetaWorldConfig(ExperimentConfig):
     eval_episodes: int = 50  # per task, final evaluation
     eval_envs: int = 10  # environments stepped together per policy call
     num_videos: int = 1  # per task
-    evaluate_untrained: bool = True  # also score the untrained policy (the floor beside the result)
+    untrained_episodes: int = 10  # per task: the untrained policy's score beside the result (0: skip)
 
     def run_directory(self) -> pathlib.Path:
         return pathlib.Path(self.workdir)
@@ -112,7 +112,8 @@ class MetaWorldConfig(ExperimentConfig):
         kwargs = dict(episodes=self.eval_episodes, envs=self.eval_envs, execute_steps=self.evaluation.execute_steps)
         metrics = evaluate_metaworld(bundle, self.tasks, videos=self.num_videos, out_dir=out, **kwargs)
         lines = [summary_line(metrics), *detail_lines(metrics)]
-        if self.evaluate_untrained:
+        if self.untrained_episodes:
+            kwargs["episodes"] = self.untrained_episodes
             untrained = evaluate_metaworld(untrained_policy(bundle), self.tasks, out_dir=out / "untrained", **kwargs)
             lines.append(f"untrained policy: {summary_line(untrained)}")
         losses = [h["loss"] for h in result.history if "loss" in h]

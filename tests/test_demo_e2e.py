@@ -21,7 +21,16 @@ def test_demo_writes_dataset_and_checkpoint(demo_run):
     # Its report (evaluate_policy) is checked through the evaluate command line (test_evaluate.py).
     assert (demo_run / "dataset" / "meta" / "info.json").exists()
     assert (demo_run / "checkpoints" / "4").is_dir()
-    assert json.loads((demo_run / "demo.json").read_text()) == {"task": "reach", "model": "Pi05Config"}
+    record = {"task": "reach", "model": "Pi05Config", "phase_in_state": True}
+    assert json.loads((demo_run / "demo.json").read_text()) == record
+
+
+def test_demo_defaults_are_relative_moves_and_the_phase_in_the_state(demo_run):
+    from embodied_jax import load_policy
+
+    bundle = load_policy(demo_run)
+    assert bundle.config.data.data.spec.delta_action_mask == (True, True, True, False)  # hand moves, absolute grip
+    assert bundle.config.evaluation.phase_in_state and bundle.state_dim == 5  # x, y, z, grip, phase
 
 
 def test_training_logs_closed_loop_success_next_to_the_loss(demo_run):
@@ -43,10 +52,14 @@ def test_policy_bundle_predicts_unnormalised_actions(demo_run):
     actions = bundle.predict(raw)
     assert actions.shape == (1, bundle.config.model.action_horizon, 4)
     assert np.isfinite(actions).all()
-    # Unnormalised: quantile-normalised outputs in [-1, 1] map back into the data's action range.
+    # Unnormalised and absolute: less the state on the hand dims (delta actions), the chunk lies in the
+    # range of the data's (relative) actions, which the statistics describe.
     stats = bundle.stats["action"]
     span = np.asarray(stats.max) - np.asarray(stats.min)
-    assert (actions >= np.asarray(stats.min) - 2 * span).all() and (actions <= np.asarray(stats.max) + 2 * span).all()
+    mask = np.asarray(bundle.config.data.data.spec.delta_action_mask)
+    relative = actions[0] - np.where(mask, raw["observation.state"][0, :4], 0.0)
+    assert (relative >= np.asarray(stats.min) - 2 * span).all() and (relative <= np.asarray(stats.max) + 2 * span).all()
+    assert np.abs(actions[0, :, :3] - raw["observation.state"][0, :3]).max() < 0.2  # near the hand, not the origin
     obs = bundle.preprocess(raw)
     assert obs["images"]["base_0_rgb"].shape == (1, IMAGE, IMAGE, 3)
     assert obs["tokens"].shape == (1, bundle.config.model.max_token_len) and obs["token_mask"][0, 0]

@@ -7,8 +7,9 @@ from embodied_jax.data.lerobot import LeRobotDataset
 from embodied_jax.sim import collect
 from embodied_jax.sim import env as env_lib
 
-# The same episode count, image size and execution noise as the demo's end-to-end test: both
-# collect through one identical compiled rollout, so the session's compilation cache builds it once.
+# The same episode count, image size, execution noise and phase-in-state as the demo's end-to-end
+# test: both collect through one identical compiled rollout, so the session's compilation cache
+# builds it once.
 EPISODES, SIZE, NOISE = 6, 32, 0.015
 
 
@@ -30,11 +31,12 @@ def dataset(tmp_path_factory):
                 "1",
                 "--noise",
                 str(NOISE),
+                "--phase-in-state",
             ]
         )
         == 0
     )
-    env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(SIZE, SIZE)))
+    env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(SIZE, SIZE), phase_in_state=True))
     expected = collect.expert_episodes(env, EPISODES, seed=1, noise=NOISE)
     return LeRobotDataset(root), expected
 
@@ -82,7 +84,8 @@ def test_frames_read_back_equal_the_renders_the_policy_sees(dataset, tmp_path):
 
 def test_dataset_has_gr00t_modality_groups(dataset):
     ds, _ = dataset
-    assert dict(ds.modality.state) == dict(ds.modality.action) == {"hand": (0, 3), "gripper": (3, 4)}
+    assert dict(ds.modality.action) == {"hand": (0, 3), "gripper": (3, 4)}
+    assert dict(ds.modality.state) == {"hand": (0, 3), "gripper": (3, 4), "phase": (4, 5)}
     assert dict(ds.modality.video) == {"scene": "observation.images.scene", "wrist": "observation.images.wrist"}
     assert dict(ds.modality.annotation) == {"human.task_description": "task_index"}
 
@@ -96,6 +99,14 @@ def test_episodes_end_when_the_expert_succeeds(dataset):
     low, high = (np.asarray(x) for x in env.action_bounds())
     actions = np.concatenate([e["action"] for e in expected])
     assert (actions >= low - 1e-6).all() and (actions <= high + 1e-6).all()
+
+
+def test_state_ends_with_the_episodes_phase(dataset):
+    _, expected = dataset
+    limit = env_lib.Env("reach").episode_limit
+    for episode in expected:
+        phase = episode["observation.state"][:, -1]
+        np.testing.assert_allclose(phase, np.arange(len(phase)) / limit, atol=1e-6)
 
 
 def test_labels_stay_the_experts_under_execution_noise(dataset):
@@ -121,7 +132,9 @@ def test_compiled_rollouts_are_reused_across_envs_and_bounded(dataset):
 
 
 def test_collection_prints_the_noisy_experts_success_rate(dataset, capsys, tmp_path):
-    collect.collect("reach", 2, tmp_path / "ds", image_size=(SIZE, SIZE), seed=1, noise=NOISE)
+    collect.collect(
+        "reach", EPISODES, tmp_path / "ds", image_size=(SIZE, SIZE), seed=1, noise=NOISE, phase_in_state=True
+    )
     line = capsys.readouterr().out
     assert "reach: expert succeeded in" in line and f"at {NOISE * 100:g} cm of DART noise" in line
 

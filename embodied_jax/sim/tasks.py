@@ -112,6 +112,11 @@ class Task(abc.ABC):
         high = jnp.concatenate([jnp.array([*lay.high, 1.0]) for lay in self.layouts])
         return low, high
 
+    @classmethod
+    def position_mask(cls) -> tuple[bool, ...]:
+        """Which action entries are hand positions (the rest are grips), without building the model."""
+        return (True, True, True, False) * len(cls.arms)
+
     def position_action_mask(self) -> np.ndarray:
         """bool [action_dim]: which action entries are hand positions (the rest are grips)."""
         return np.tile([True, True, True, False], len(self.arms))
