@@ -340,7 +340,7 @@ def demo_config(image_size: int = IMAGE, arch: str = "pi05") -> DemoConfig:
             ),
             ModelInputs(cameras=cameras),
         ),
-        train=TrainConfig(steps=3000, batch_size=32, log_every=100, eval_every=1500, ema_decay=0.99),
+        train=TrainConfig(steps=6000, batch_size=32, log_every=100, eval_every=1500, ema_decay=0.99),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=100, weight_decay=1e-4, clip_norm=1.0),
         mesh=MeshConfig(data=-1),
         checkpoint=CheckpointConfig(save_every=1500, keep_last=2),

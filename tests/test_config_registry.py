@@ -52,9 +52,9 @@ def test_unknown_and_missing_fields_are_errors_naming_them():
 
 def test_fields_added_later_take_their_defaults_when_an_older_config_lacks_them():
     saved = _saved_demo()
-    assert saved["config"]["evaluation"]["phase_in_state"] is False
+    assert saved["config"]["evaluation"]["phase_in_state"] is True  # the demo's default today
     del saved["config"]["evaluation"]["phase_in_state"]  # as runs saved before the field existed
-    assert from_dict(saved).evaluation.phase_in_state is False
+    assert from_dict(saved).evaluation.phase_in_state is False  # their behaviour: no phase
     del saved["config"]["evaluation"]["execute_steps"]  # not an added field: still an error
     with pytest.raises(ConfigFormatError, match="field 'execute_steps' missing"):
         from_dict(saved)
