@@ -2,6 +2,7 @@
 a policy evaluated closed-loop in its own environments, the weld adaptation, the suite names."""
 
 import inspect
+import json
 import pathlib
 import sys
 
@@ -171,3 +172,23 @@ def test_missing_metaworld_and_gl_are_one_clear_error(monkeypatch):
         gl_context.GLContext = saved
         metaworld.check_gl.cache_clear()
         monkeypatch.undo()
+
+
+def test_learning_curve_plots_every_in_training_success_rate(tmp_path):
+    from PIL import Image
+
+    from embodied_jax.sim import media
+    from experiments.metaworld import plot_learning_curve
+
+    rows = [
+        {"step": 100, "loss": 1.0},
+        {"step": 1500, "eval/metaworld/success_rate": 0.2, "eval/metaworld/reach/success_rate": 0.4},
+        {"step": 3000, "eval/metaworld/success_rate": 0.6, "eval/metaworld/reach/success_rate": 1.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    path = plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png", media)
+    image = np.asarray(Image.open(path))
+    assert image.shape == (400, 860, 3)
+    blue = np.all(image == media.PLOT_COLORS[0], axis=-1)  # the overall series, drawn thicker
+    assert blue.sum() > 200 and blue[:, :48].sum() == 0  # on the plot, not over the y labels
+    assert plot_learning_curve(tmp_path / "absent.jsonl", tmp_path / "none.png", media) is None

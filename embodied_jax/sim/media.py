@@ -52,18 +52,32 @@ def write_png(path: str | os.PathLike, image: np.ndarray) -> pathlib.Path:
     return path
 
 
-PLOT_COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75))
+PLOT_COLORS = (
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+    (0, 0, 128),
+    (128, 0, 0),
+)
 
 
 def line_plot(
-    series: dict[str, list[tuple[float, float]]], *, title: str = "", size: tuple[int, int] = (640, 400)
+    series: dict[str, list[tuple[float, float]]], *, title: str = "", size: tuple[int, int] = (860, 400)
 ) -> np.ndarray:
-    """uint8 [H, W, 3]: each series' (x, y) points as a line with markers, y in [0, 1] (success
-    rates), x from 0 to the largest x; a legend of the first series' names and an axis at each 0.25."""
+    """uint8 [H, W, 3]: each series' (x, y) points as a line with markers (the first drawn thicker:
+    the overall figure), y in [0, 1] (success rates), x from 0 to the largest x; a legend beside
+    the plot and a grid line at each 0.25."""
     from PIL import Image, ImageDraw
 
     width, height = size
-    left, right, top, bottom = 48, 16, 28, 36
+    left, right, top, bottom = 48, 230, 28, 36
     image = Image.new("RGB", size, (255, 255, 255))
     draw = ImageDraw.Draw(image)
     x_max = max((x for points in series.values() for x, _ in points), default=1) or 1
@@ -86,10 +100,10 @@ def line_plot(
     for k, (name, points) in enumerate(series.items()):
         color = PLOT_COLORS[k % len(PLOT_COLORS)]
         xy = [at(x, y) for x, y in sorted(points)]
+        thick = 4 if k == 0 else 2
         if len(xy) > 1:
-            draw.line(xy, fill=color, width=2)
+            draw.line(xy, fill=color, width=thick)
         for x, y in xy:
-            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=color)
-        if k < 12:
-            draw.text((width - right - 200, top + 4 + 12 * k), name, fill=color)
+            draw.ellipse([x - thick, y - thick, x + thick, y + thick], fill=color)
+        draw.text((width - right + 12, top + 4 + 14 * k), name, fill=color)
     return np.asarray(image)
