@@ -103,8 +103,10 @@ def demo_gr00t_model(action_dim: int = 4, horizon: int = 8, image_size: int = IM
             input_embedding_dim=64,
             num_future_tokens=4,
             max_seq_len=32,
-            dit=DiTConfig(num_layers=2, num_heads=4, head_dim=16, output_dim=64),
-            vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=16),
+            # No dropout (upstream's 0.2 regularises fine-tuning; from scratch it held the loss at 0.10
+            # where it reaches 0.038 without, on pick_place at step 3000).
+            dit=DiTConfig(num_layers=2, num_heads=4, head_dim=16, output_dim=64, dropout=0.0),
+            vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=16, dropout=0.0),
         ),
         action_dim=action_dim,
         action_horizon=horizon,
@@ -326,8 +328,9 @@ def demo_config(image_size: int = IMAGE, arch: str = "pi05") -> DemoConfig:
         raise ValueError(f"arch must be 'pi05' or 'gr00t', got {arch!r}")
     gr00t = arch == "gr00t"
     cameras = GR00T_CAMERAS if gr00t else CAMERAS
-    # GR00T normalises state and actions min-max to [-1, 1] (upstream); π0.5 uses quantiles.
-    norm = "min_max" if gr00t else "quantile"
+    # Quantile normalisation for both (upstream GR00T uses min-max; the demo's chunk-relative moves have
+    # rare extremes twice as far out as their 1st-99th percentiles; GR00T pick_place measured best so).
+    norm = "quantile"
     return DemoConfig(
         name="demo_gr00t" if gr00t else "demo",
         model=demo_gr00t_model(image_size=image_size) if gr00t else demo_model(image_size=image_size),
