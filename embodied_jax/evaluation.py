@@ -96,17 +96,11 @@ class MetaWorldEvaluation(Evaluation):
     image_size: tuple[int, int] = (64, 64)
     seed: int = 1
 
-    def settings(self, *, episodes: int | None = None, videos: int = 0):
+    def settings(self):
         from embodied_jax.sim import metaworld
 
-        episodes = self.episodes if episodes is None else episodes
-        return metaworld.EvalSettings(
-            episodes=episodes,
-            envs=min(self.envs, episodes),
-            execute_steps=self.execute_steps,
-            seed=self.seed,
-            videos=videos,
-        )
+        envs = min(self.envs, self.episodes)
+        return metaworld.EvalSettings(self.episodes, envs, self.execute_steps, self.seed, videos=0)
 
     def start(self, model: Any, *, config: Any, norm_stats: Mapping[str, Any] | None) -> MetaWorldEvaluationRun:
         return MetaWorldEvaluationRun(self, PolicyBundle(config, model, norm_stats, step=0))

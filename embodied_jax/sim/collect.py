@@ -320,7 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args.image_size) not in (1, 2):
         parser.error("--image-size takes one (square) or two (height width) integers")
     size = tuple(args.image_size) * (2 if len(args.image_size) == 1 else 1)
-    metaworld_task = args.task.startswith("metaworld:")
+    from embodied_jax.sim import metaworld
+
+    metaworld_task = metaworld.is_metaworld(args.task)
     if not metaworld_task and args.task not in tasks_lib.TASKS:
         parser.error(f"task {args.task!r}: one of {sorted(tasks_lib.TASKS)} or metaworld:<task>")
     if args.max_steps is not None and not metaworld_task:
@@ -333,8 +335,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--noise {noise!r}: metres (a number) or 'auto'")
     try:
         if metaworld_task:
-            from embodied_jax.sim import metaworld
-
             root = metaworld.collect(
                 args.task,
                 args.episodes,

@@ -119,7 +119,7 @@ class Task(abc.ABC):
 
     def position_action_mask(self) -> np.ndarray:
         """bool [action_dim]: which action entries are hand positions (the rest are grips)."""
-        return np.tile([True, True, True, False], len(self.arms))
+        return np.asarray(self.position_mask())
 
     def apply_action(self, data, action: jax.Array):
         """Write an action (clipped to the joint ranges) into ``data.ctrl``."""

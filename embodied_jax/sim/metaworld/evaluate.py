@@ -69,6 +69,7 @@ def evaluate(
         wins = int(np.sum(successes))
         low, high = wilson_interval(wins, len(successes))
         entry = {
+            "successes": wins,
             "success_rate": wins / len(successes),
             "success_ci95": [low, high],
             "episodes": len(successes),
@@ -87,14 +88,14 @@ def evaluate(
     for group, members in DIFFICULTY.items():
         present = [per_task[m] for m in members if m in per_task]
         if present:
-            wins = sum(round(e["success_rate"] * e["episodes"]) for e in present)
+            wins = sum(e["successes"] for e in present)
             total = sum(e["episodes"] for e in present)
             groups[group] = {
                 "success_rate": wins / total,
                 "success_ci95": list(wilson_interval(wins, total)),
                 "episodes": total,
             }
-    wins = sum(round(e["success_rate"] * e["episodes"]) for e in per_task.values())
+    wins = sum(e["successes"] for e in per_task.values())
     total = sum(e["episodes"] for e in per_task.values())
     metrics = {
         "task": PREFIX + ",".join(names),
