@@ -154,6 +154,31 @@ def test_packed_equals_unpacked_and_samples_are_isolated(model, mesh):
     assert abs(perturbed[1] - packed_err[1]) > 1e-4
 
 
+def test_flow_draws_per_observation_add_their_single_draw_losses(model, mesh):
+    """K = 2 draws share one backbone pass: each slot's error is the sum of its two K = 1 errors,
+    unpacked and packed alike (draw j of slot i sees slot i's VL tokens)."""
+    batch = TINY.synthetic_batch(4, seed=3)
+    rng = np.random.default_rng(7)
+    noise = rng.normal(size=(4, 2, *batch["actions"].shape[1:])).astype(np.float32)
+    time = rng.uniform(0, 1, (4, 2)).astype(np.float32)
+    two = nnx.clone(model)
+    two.config = dataclasses.replace(TINY, flow_samples_per_obs=2)
+    row_len = 2 * (TINY.image_block_tokens + TINY.synthetic_text_tokens[1])
+    flat, real = np.array([0, 1, 0, 2, 3, 0]), np.array([0, 1, 3, 4])
+    with mesh_context(mesh):
+        losses = nnx.jit(lambda m, b, n, t: m.per_sample_losses(b, jax.random.key(0), noise=n, time=t, dropout=False))
+        single = [losses(model, batch, noise[:, j], time[:, j]) for j in range(2)]
+        err, counts = losses(two, batch, noise, time)
+        packed_err, packed_counts = losses(two, _pack(batch, row_len), noise[flat], time[flat])
+    np.testing.assert_allclose(err, np.asarray(single[0][0]) + np.asarray(single[1][0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(counts, 2 * np.asarray(single[0][1]))
+    np.testing.assert_allclose(np.asarray(packed_err)[real], err, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(packed_counts)[real], counts)
+    assert TINY.training_flops(batch)["weights"] < two.config.training_flops(batch)["weights"]
+    with pytest.raises(ValueError, match="flow_samples_per_obs"):
+        dataclasses.replace(TINY, flow_samples_per_obs=0)
+
+
 # upstream module sizes (reference README, GR00T N1.5 table)
 VISION_AND_MLP1 = 427_680_704 - 15_238_352 + 2_361_344
 LLM = 914_674_688

@@ -129,6 +129,8 @@ class Gr00tConfig(PolicyConfig):
     tokenizer_path: str | None = None  # input builder (real datasets): a local Qwen3 tokenizer.json
     asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
     embodiment_id: int = 31  # the data's embodiment slot (upstream "new_embodiment" = 31 for a new robot)
+    flow_samples_per_obs: int = 1  # K (noise, time) draws per observation share one backbone pass (upstream: 1)
+    ADDED_FIELDS = ("flow_samples_per_obs",)  # runs saved before it read back with 1 (config_registry)
 
     def __post_init__(self):
         head, llm = self.action_head, self.llm
@@ -164,6 +166,8 @@ class Gr00tConfig(PolicyConfig):
                 f"Gr00tConfig.action_horizon={self.action_horizon} > action_head.max_seq_len="
                 f"{head.max_seq_len} (the action position table)"
             )
+        if self.flow_samples_per_obs < 1:
+            raise ValueError(f"Gr00tConfig.flow_samples_per_obs={self.flow_samples_per_obs} must be >= 1")
         lo, hi = self.synthetic_text_tokens
         if not 2 <= lo <= hi:
             raise ValueError(f"Gr00tConfig.synthetic_text_tokens={self.synthetic_text_tokens} must be 2 <= lo <= hi")
@@ -286,27 +290,27 @@ class Gr00tConfig(PolicyConfig):
             gated=False,
         )
         cross = dit.num_layers // 2 if dit.interleave_self_attention else dit.num_layers
-        tokens_dit = slots * dit_tokens
-        # cross-attention keys/values are projected once per VL token of a row (upstream: per sample)
+        draws = slots * self.flow_samples_per_obs  # the DiT runs once per (slot, flow draw)
+        tokens_dit = draws * dit_tokens
+        # cross-attention keys/values are projected once per VL token of a row (upstream: per sample);
+        # unpacked rows repeat their VL tokens for each flow draw
+        context_tokens = vl_tokens if "segment_ids" in batch else vl_tokens * self.flow_samples_per_obs
         dit_flops = cross * flops.transformer_layer(
-            tokens_dit, 0, context_tokens=vl_tokens, context_width=llm.width, **dit_dims
+            tokens_dit, 0, context_tokens=context_tokens, context_width=llm.width, **dit_dims
         ) + (dit.num_layers - cross) * flops.transformer_layer(tokens_dit, 0, **dit_dims)
         hidden, emb = head.hidden_size, head.input_embedding_dim
-        head_flops = (
+        head_flops = 2 * slots * (self.max_state_dim * hidden + hidden * emb)  # state encoder, once per slot
+        head_flops += (
             2
-            * slots
-            * (
-                self.max_state_dim * hidden
-                + hidden * emb
-                + self.action_horizon
-                * (self.action_dim * emb + 3 * emb**2 + hidden * hidden + hidden * self.action_dim)
-            )
+            * draws
+            * self.action_horizon
+            * (self.action_dim * emb + 3 * emb**2 + hidden * hidden + hidden * self.action_dim)
         )
-        head_flops += 2 * slots * inner * 2 * inner * (dit.num_layers + 1)  # AdaLayerNorms and proj_out_1, per sample
+        head_flops += 2 * draws * inner * 2 * inner * (dit.num_layers + 1)  # AdaLayerNorms and proj_out_1, per draw
         weights.add(dit_flops + head_flops, trains=self.tune_diffusion_model or self.tune_projector)
         attention.add(
             4
-            * slots
+            * draws
             * dit_tokens
             * (cross * window + (dit.num_layers - cross) * dit_tokens)
             * dit.num_heads
@@ -444,22 +448,37 @@ class Gr00tPolicy(nnx.Module):
 
     def per_sample_losses(self, batch, rng, *, noise=None, time=None, dropout: bool = True):
         """(per-sample masked squared-error sums [N], per-sample mask counts [N]); N = R·M slots for
-        packed rows (an empty slot counts 0), explicit ``noise`` [N, horizon, A] / ``time`` [N].
+        packed rows (an empty slot counts 0). With K = ``flow_samples_per_obs`` the backbone and
+        the VL adapter run once and the DiT K times per slot, and both sums add over the K draws;
+        explicit ``noise`` is [N, horizon, A] or [N, K, horizon, A], ``time`` [N] or [N, K].
 
         ``dropout=False`` turns off the DiT/adapter dropout (deterministic evaluation). As upstream,
         a frozen DiT (``tune_diffusion_model=False``) runs without dropout (eval mode)."""
         samples, present = self.per_sample(batch)
         actions = samples["actions"].astype(jnp.float32)
-        b = actions.shape[0]
+        n, horizon, adim = actions.shape
+        k = self.config.flow_samples_per_obs
         k_noise, k_time, k_adapter, k_dit = jax.random.split(rng, 4)
         head_config = self.config.action_head
         train_dropout = dropout and (head_config.dit.dropout > 0 or head_config.vl_self_attention.dropout > 0)
-        noise = jax.random.normal(k_noise, actions.shape) if noise is None else jnp.asarray(noise, jnp.float32)
-        t = self.sample_time(k_time, b) if time is None else jnp.asarray(time, jnp.float32).reshape(b)
+        if noise is None:
+            noise = jax.random.normal(k_noise, (n * k, horizon, adim))
+        noise = jnp.asarray(noise, jnp.float32).reshape(n * k, horizon, adim)
+        t = self.sample_time(k_time, n * k) if time is None else jnp.asarray(time, jnp.float32).reshape(n * k)
         vl, layout = self.vl_features(batch, k_adapter if train_dropout else None)
         slots = samples["embodiment_id"].astype(jnp.int32)
         head = self.action_head
         state_features = head.encode_state(samples["state"].astype(jnp.float32), slots)
+        # Draw j of slot i is row i·K + j; the DiT of every draw cross-attends its slot's VL tokens.
+        draws = functools.partial(jnp.repeat, repeats=k, axis=0)
+        if k > 1:
+            if layout["context_gather"] is None:
+                vl = draws(vl)
+            else:
+                rows, index = layout["context_gather"]
+                layout = {**layout, "context_gather": (draws(rows), draws(index))}
+            layout = {**layout, "dit_q": draws(layout["dit_q"]), "dit_kv": draws(layout["dit_kv"])}
+            actions, state_features, slots = draws(actions), draws(state_features), draws(slots)
         x_t = (1.0 - t[:, None, None]) * noise + t[:, None, None] * actions
         buckets = jnp.floor(t * self.config.num_timestep_buckets).astype(jnp.int32)
         velocity = head.velocity(
@@ -473,9 +492,9 @@ class Gr00tPolicy(nnx.Module):
             context_gather=layout["context_gather"],
             key=k_dit if train_dropout and self.config.tune_diffusion_model else None,
         )
-        mask = samples.get("action_mask", jnp.ones_like(actions)).astype(jnp.float32) * present[:, None, None]
-        sq = jnp.square(velocity - (actions - noise)) * mask
-        return sq.sum(axis=(1, 2)), mask.sum(axis=(1, 2))
+        mask = samples.get("action_mask", jnp.ones((n, horizon, adim))).astype(jnp.float32) * present[:, None, None]
+        sq = jnp.square(velocity - (actions - noise)).reshape(n, k, horizon, adim) * mask[:, None]
+        return sq.sum(axis=(1, 2, 3)), k * mask.sum(axis=(1, 2))
 
     def velocity(self, observation, noisy_actions, time):
         """The DiT's velocity prediction [B, horizon, action_dim] at x_t = ``noisy_actions``, t = ``time`` [B]."""
