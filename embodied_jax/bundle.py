@@ -46,6 +46,21 @@ class ObservationError(InputError, ValueError):
     """A robot observation the policy cannot take (missing key, shape, dtype, non-finite state)."""
 
 
+class NormStatsError(InputError, ValueError):
+    """Normalisation statistics a policy cannot act with (non-finite values)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRow:
+    """One unbatched observation made ready for sampling on the host: the model's inputs (a
+    batch of one), its raw state (delta actions are relative to it) and its real-time chunking
+    guide (target [H, A], weights [H]; None: plain sampling)."""
+
+    inputs: dict[str, Any]
+    state: np.ndarray
+    guide: tuple[np.ndarray, np.ndarray] | None
+
+
 def _stack(samples: list[dict]) -> dict:
     first = samples[0]
     if isinstance(first, dict):
@@ -80,6 +95,18 @@ def row_keys(rng: jax.Array, rows: int) -> jax.Array:
     return jax.random.split(rng, rows)
 
 
+def _check_finite_stats(stats: Mapping[str, FeatureStats], modes: Mapping[str, str]) -> None:
+    """The statistics a policy normalises with must be finite: NaN there would make every action NaN."""
+    for key in modes:
+        if key not in stats:
+            continue
+        feature = stats[key]
+        values = {"mean": feature.mean, "std": feature.std, "min": feature.min, "max": feature.max, **feature.quantiles}
+        bad = [name for name, v in values.items() if not np.isfinite(np.asarray(v, np.float64)).all()]
+        if bad:
+            raise NormStatsError(f"norm_stats[{key!r}]: {', '.join(bad)} hold non-finite values")
+
+
 class PolicyBundle:
     """``config``: the run's ``ExperimentConfig``; ``model``: its built ``Policy``; ``norm_stats``:
     the statistics saved with the checkpoint (JSON); ``seed``: of the key ``predict`` advances
@@ -100,6 +127,7 @@ class PolicyBundle:
         self.inputs = self.transform.inputs
         data = config.data.data
         modes = dict(data.norm_modes)
+        _check_finite_stats(self.stats, modes)
         self._unnormalizer = Normalizer(self.stats, modes) if modes else None
         self._delta_action_mask = data.spec.delta_action_mask
         action_stats = self.stats.get(self.inputs.action_key)
@@ -136,10 +164,15 @@ class PolicyBundle:
 
     # ------------------------------------------------------------------ host side
     def _check(
-        self, raw: Mapping[str, Any], image_range: tuple[float, float] | None, resize: bool
+        self,
+        raw: Mapping[str, Any],
+        image_range: tuple[float, float] | None,
+        resize: bool,
+        batched: bool | None = None,
     ) -> tuple[dict[str, np.ndarray], list[str] | None]:
         """The observation's state and images as validated arrays (images uint8) and its tasks
-        (None when unbatched), each problem named."""
+        (None when unbatched), each problem named; ``batched``: require a batch (True) or one
+        observation (False), checked before any value is read."""
         state_key, cameras = self.inputs.state_key, self.inputs.camera_keys
         keys = (state_key, "task", *cameras)
         missing = [k for k in keys if k not in raw]
@@ -148,6 +181,9 @@ class PolicyBundle:
         state = np.asarray(raw[state_key])
         if state.ndim not in (1, 2):
             raise ObservationError(f"{state_key}: expected a state [S] or a batch of states [B, S], got {state.shape}")
+        if batched is not None and (state.ndim == 2) != batched:
+            want = "one observation (state [S], images [H, W, 3])" if not batched else "a batch"
+            raise ObservationError(f"{state_key}: expected {want}, got a state of shape {state.shape}")
         if state.dtype.kind not in "fiu":
             raise ObservationError(f"{state_key}: expected real numbers (float or int), got dtype {state.dtype}")
         if self.state_dim is not None and state.shape[-1] != self.state_dim:
@@ -156,7 +192,8 @@ class PolicyBundle:
             )
         state = state.astype(np.float32)
         if not np.isfinite(state).all():
-            raise ObservationError(f"{state_key} holds non-finite values: {state.tolist()}")
+            bad = int(np.size(state) - np.isfinite(state).sum())
+            raise ObservationError(f"{state_key} holds {bad} non-finite values (of {np.size(state)})")
         images = {key: np.asarray(raw[key]) for key in cameras}
         for key, image in images.items():
             if image.ndim not in (3, 4):
@@ -292,15 +329,45 @@ class PolicyBundle:
     def check_observation(self, raw: Mapping[str, Any], *, batched: bool | None = None) -> None:
         """Raise an ``ObservationError`` naming what is wrong with ``raw`` (unknown keys included);
         ``batched``: require a batched (True) or an unbatched (False) observation."""
+        self._check_keys(raw)
+        self._check(raw, None, False, batched)
+
+    def _check_keys(self, raw: Mapping[str, Any]) -> None:
         expected = {self.inputs.state_key, "task", *self.inputs.camera_keys}
         unknown = sorted(set(raw) - expected)
         if unknown:
-            raise ObservationError(f"unknown keys {unknown}; a policy of this run takes {sorted(expected)}")
-        _, tasks = self._check(raw, None, False)
-        if batched is not None and (tasks is not None) != batched:
-            state = np.shape(raw[self.inputs.state_key])
-            want = "one observation (state [S], images [H, W, 3])" if not batched else "a batch"
-            raise ObservationError(f"{self.inputs.state_key}: expected {want}, got a state of shape {state}")
+            shown = ", ".join(repr(k[:40]) for k in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+            raise ObservationError(f"unknown keys [{shown}]; a policy of this run takes {sorted(expected)}")
+
+    def prepare_row(
+        self, raw: Mapping[str, Any], prefix: RtcPrefix | None = None, *, guided: bool = False
+    ) -> PreparedRow:
+        """Everything one unbatched observation needs before sampling, done for it alone: checks
+        (unknown keys included), the per-sample transform (tokenisation included) and its guide
+        (``guided``: a guide even without ``prefix``, zero weights). A fault of the observation is
+        an ``InputError`` (``ObservationError`` or the transform's own) naming the field."""
+        self._check_keys(raw)
+        checked, _ = self._check(raw, None, False, batched=False)
+        sample = {**checked, "task": raw["task"]}
+        inputs = self.transform(sample)
+        inputs.pop("actions", None)
+        inputs.pop("action_dim_mask", None)
+        state = checked[self.inputs.state_key]
+        guide = self._guide(prefix, state) if guided or prefix is not None else None
+        return PreparedRow(jax.tree.map(lambda x: np.asarray(x)[None], inputs), state, guide)
+
+    def sample_prepared(self, rows: list[PreparedRow], keys: jax.Array, *, guided: bool = False) -> np.ndarray:
+        """Actions [N, horizon, action_dim] of N prepared rows in one call, row i from ``keys[i]``;
+        ``guided``: the real-time chunking sampler for every row (a row without a guide gets zero
+        weights)."""
+        obs = jax.tree.map(lambda *x: jnp.asarray(np.concatenate(x)), *[r.inputs for r in rows])
+        if not guided:
+            actions = self._sample_rows(self.params, obs, keys)
+        else:
+            guides = [r.guide if r.guide is not None else self._guide(None, r.state) for r in rows]
+            prefix, weights = zip(*guides, strict=True)
+            actions = self._sample_rows(self.params, obs, keys, jnp.stack(prefix), jnp.stack(weights))
+        return self.postprocess(np.asarray(actions), np.stack([r.state for r in rows]))
 
     def predict_rows(
         self, observations: list[Mapping[str, Any]], keys: jax.Array, *, prefixes: list[RtcPrefix | None] | None = None
@@ -310,16 +377,10 @@ class PolicyBundle:
 
         ``prefixes``: real-time chunking, one ``RtcPrefix`` (or None: plain sampling) per row;
         given at all, the guided sampler runs for every row (a None row gets zero weights)."""
-        obs = _stack([self.preprocess(o) for o in observations])
-        obs = jax.tree.map(lambda x: jnp.asarray(x[:, 0]), obs)  # each preprocessed as a batch of one
-        if prefixes is None:
-            actions = self._sample_rows(self.params, obs, keys)
-        else:
-            states = [o[self.inputs.state_key] for o in observations]
-            prefix, weights = zip(*(self._guide(p, st) for p, st in zip(prefixes, states, strict=True)), strict=True)
-            actions = self._sample_rows(self.params, obs, keys, jnp.stack(prefix), jnp.stack(weights))
-        state = np.stack([np.asarray(o[self.inputs.state_key], np.float32) for o in observations])
-        return self.postprocess(np.asarray(actions), state)
+        guided = prefixes is not None
+        prefixes = prefixes if guided else [None] * len(observations)
+        rows = [self.prepare_row(o, p, guided=guided) for o, p in zip(observations, prefixes, strict=True)]
+        return self.sample_prepared(rows, keys, guided=guided)
 
     def _guide(self, prefix: RtcPrefix | None, state: Any) -> tuple[np.ndarray, np.ndarray]:
         """(target chunk in the model's normalised action space [H, A], weights [H]); ``state``: the

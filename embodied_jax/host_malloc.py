@@ -1,4 +1,5 @@
-"""glibc malloc settings that let a training process reuse its memory from step to step.
+"""glibc malloc settings: a training process reuses its memory from step to step; a server
+returns clients' large buffers (``return_large_buffers``).
 
 XLA:CPU allocates a step's buffers afresh on every call (0.2-1.1 GB at the benchmark sizes),
 and glibc returns every allocation above its mmap threshold (at most 32 MiB) to the kernel
@@ -54,3 +55,21 @@ def reexec() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), env)
+
+
+SERVER_MMAP_THRESHOLD = 1 << 20
+
+
+def return_large_buffers(threshold: int = SERVER_MMAP_THRESHOLD) -> bool:
+    """For a long-running server (the opposite trade to ``REUSE``): every allocation of at least
+    ``threshold`` bytes is mmapped and goes back to the kernel when freed. glibc otherwise raises
+    its mmap threshold to the largest block freed so far (up to 32 MiB), after which clients'
+    large messages are served from heaps that keep their memory. Returns whether it applied
+    (glibc only; not with ``EMBODIED_JAX_MALLOC=system``)."""
+    if os.environ.get(OPT_OUT, "").lower() == "system" or not _glibc():
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters
+    return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(libc.mallopt(m_trim_threshold, 2 * threshold))

@@ -22,6 +22,7 @@ from embodied_jax.assets import with_assets
 from embodied_jax.bundle import PolicyBundle
 from embodied_jax.config_registry import from_dict
 from embodied_jax.parallel.mesh import MeshConfig
+from embodied_jax.paths import resolve_inside
 from embodied_jax.train import pretrained
 from embodied_jax.train.checkpoint import Checkpointer
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig
@@ -81,13 +82,16 @@ def load_policy(
 
 
 def _load_exported(path: pathlib.Path, devices: list | None) -> PolicyBundle:
-    info = json.loads((path / pretrained.POLICY_FILE).read_text())
-    config = from_dict(json.loads((path / "config.json").read_text()))
+    def inside(name: str, **kw) -> pathlib.Path:  # an export copied from elsewhere may hold links out of it
+        return resolve_inside(path, name, what=f"exported policy {path}", **kw)
+
+    info = json.loads(inside(pretrained.POLICY_FILE, regular_file=True).read_text())
+    config = from_dict(json.loads(inside("config.json", regular_file=True).read_text()))
     config = dataclasses.replace(config, model=with_assets(config.model, path))
-    norm_stats = json.loads((path / "norm_stats.json").read_text())
+    norm_stats = json.loads(inside("norm_stats.json", regular_file=True).read_text())
     rt = serving_runtime(config, devices)
     abstract, shardings = rt.abstract_state, rt.shardings
-    source = pretrained.WeightsSource("exported policy", path / "weights", (), path)
+    source = pretrained.WeightsSource("exported policy", inside("weights"), (), path)
     weights, adapters = pretrained.read_params(source, abstract, shardings)
     if adapters:
         raise pretrained.InitFromError(f"{path}: the exported weights lack {', '.join(adapters)}")
@@ -101,7 +105,7 @@ def _load_exported(path: pathlib.Path, devices: list | None) -> PolicyBundle:
             {"fp8": shardings.fp8, "other": shardings.other},
         )
         with ocp.StandardCheckpointer() as reader:
-            restored = reader.restore(path / MODEL_STATE, target)
+            restored = reader.restore(inside(MODEL_STATE), target)
         fp8, other = restored["fp8"], restored["other"]
     with rt.context():
         model = rt.parts.merge(params, frozen, fp8, other)

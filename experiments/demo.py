@@ -269,17 +269,18 @@ class DemoConfig(ExperimentConfig):
                 phase_in_state=self.evaluation.phase_in_state,  # the state the policy will be evaluated with
             )
         tokenizer = self.build_tokenizer(workdir)
-        spec = self.data.data.spec
+        fitted = fit_to_task(self)
+        spec = fitted.data.data.spec
         if self.delta_actions:
             from embodied_jax.sim.tasks import TASKS
 
             spec = dataclasses.replace(spec, delta_action_mask=tuple(bool(m) for m in TASKS[self.task].position_mask()))
         config = dataclasses.replace(
-            self,
+            fitted,
             workdir=str(workdir),
-            model=dataclasses.replace(self.model, tokenizer_path=str(tokenizer)),
+            model=dataclasses.replace(fitted.model, tokenizer_path=str(tokenizer)),
             data=dataclasses.replace(
-                self.data, root=str(dataset), data=dataclasses.replace(self.data.data, sources=(), spec=spec)
+                fitted.data, root=str(dataset), data=dataclasses.replace(fitted.data.data, sources=(), spec=spec)
             ),
             evaluation=dataclasses.replace(self.evaluation, task=self.task),  # evaluate the task trained on
         )
@@ -310,6 +311,45 @@ class DemoConfig(ExperimentConfig):
         print("\n".join(report_lines(metrics, out)))
         print(f"tensorboard: {workdir / 'tensorboard'}")
         return 0
+
+
+CAMERA_SLOTS = {  # a built-in task's camera -> its π0.5 and GR00T image slots
+    "scene": ("base_0_rgb", "ego_view"),
+    "wrist": ("left_wrist_0_rgb", "wrist_view"),
+    "wrist_left": ("left_wrist_0_rgb", "left_wrist_view"),
+    "wrist_right": ("right_wrist_0_rgb", "right_wrist_view"),
+}
+
+
+def fit_to_task(config: DemoConfig) -> DemoConfig:
+    """The demo config widened to its task: state and action widths (handover's two arms: 8 + 8;
+    the phase adds one state entry) and one image slot per camera (handover: scene and two
+    wrists). The one-arm tasks keep the demo's widths and its two cameras."""
+    from embodied_jax.sim.tasks import TASKS
+
+    task = TASKS[config.task]()  # unbuilt: its widths and cameras only
+    model, data = config.model, config.data
+    gr00t = isinstance(model, Gr00tConfig)
+    state_dim = task.state_dim + int(config.evaluation.phase_in_state)
+    widths = dict(max_state_dim=max(model.max_state_dim, state_dim), action_dim=task.action_dim)
+    if not gr00t:
+        widths["max_action_dim"] = max(model.max_action_dim, task.action_dim)
+        # Each state entry is one token of π0.5's prompt (build_tokenizer: one per bin).
+        widths["max_token_len"] = model.max_token_len + widths["max_state_dim"] - model.max_state_dim
+    keys = tuple(f"observation.images.{c}" for c in task.cameras)
+    if tuple(k for k, _ in data.inputs.cameras) != keys:
+        cameras = tuple((k, CAMERA_SLOTS[c][gr00t]) for k, c in zip(keys, task.cameras, strict=True))
+        widths["camera_names"] = tuple(slot for _, slot in cameras)
+        data = dataclasses.replace(
+            data,
+            inputs=dataclasses.replace(data.inputs, cameras=cameras),
+            data=dataclasses.replace(data.data, spec=dataclasses.replace(data.data.spec, camera_keys=keys)),
+        )
+    if gr00t and "camera_names" in widths:  # the prompt's image blocks grow with the cameras
+        blocks = dataclasses.replace(model, camera_names=widths["camera_names"], max_token_len=10**6)
+        widths["max_token_len"] = blocks.image_block_tokens + 48
+    model = dataclasses.replace(model, **widths)
+    return dataclasses.replace(config, model=model, data=data)
 
 
 @register("demo", "default: collect MJX expert demos -> train a small π0.5 -> evaluate closed-loop (CPU)")

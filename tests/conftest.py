@@ -95,6 +95,7 @@ DEMO_RUN_MODULES = {
     "test_finetune_tiny.py",
     "test_relocation.py",
     "test_serve.py",
+    "test_hostile.py",
 }
 
 

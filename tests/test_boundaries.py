@@ -19,8 +19,9 @@ LIBRARY = ROOT / "embodied_jax"
 # DESIGN.md "Import direction" (experiments -> train, sim, data, models -> nn -> parallel; train and
 # sim read data, never a model; sim never imports train): what each part may import besides itself.
 # Top-level modules: the contracts, the error base, the command-line conventions (with the
-# process's malloc settings) and the saved-config registry are importable from anywhere.
-ANYWHERE = {"assets", "cli", "config_registry", "errors", "host_malloc", "policy", "variables"}
+# process's malloc settings), the saved-config registry and the containment of paths read from
+# untrusted directories are importable from anywhere.
+ANYWHERE = {"assets", "cli", "config_registry", "errors", "host_malloc", "paths", "policy", "variables"}
 ALLOWED = {
     "parallel": set(),
     "nn": {"parallel"},
@@ -40,6 +41,7 @@ ALLOWED = {
     "config_registry": set(),
     "errors": set(),
     "host_malloc": set(),
+    "paths": set(),
     "policy": set(),
     "variables": set(),
 }

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 import numpy as np
@@ -161,6 +162,37 @@ def _dead(pid: int) -> bool:
         return True
 
 
+def _stall_hook(directory: pathlib.Path, video: pathlib.Path, fifo: pathlib.Path) -> pathlib.Path:
+    """A package for Ray's ``worker_process_setup_hook`` (``stall_hook.install``): a worker about to
+    open ``video`` first reads ``fifo`` while it is one, and blocks there. The stall lives in the
+    test, not the dataset: a dataset's FIFO is refused before it is opened."""
+    package = directory / "stall_hook"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        textwrap.dedent(
+            f"""
+            import os
+            import stat
+
+
+            def install():
+                from embodied_jax.data import video
+
+                opened = video.VideoFile.__init__
+
+                def stalled(self, path, **kwargs):
+                    if str(path) == {str(video)!r} and stat.S_ISFIFO(os.stat({str(fifo)!r}).st_mode):
+                        with open({str(fifo)!r}, "rb") as held:
+                            held.read()
+                    opened(self, path, **kwargs)
+
+                video.VideoFile.__init__ = stalled
+            """
+        )
+    )
+    return package
+
+
 def _file_stats(destination: pathlib.Path, episode: int) -> dict[str, tuple[int, int]]:
     name = fs.episode_name(episode)
     paths = [destination / "done" / f"{name}.json"]
@@ -173,22 +205,29 @@ def _file_stats(destination: pathlib.Path, episode: int) -> dict[str, tuple[int,
 def test_killed_worker_resumes_without_rewriting_finished_episodes(
     raw, local_store, ray_address, tmp_path, monkeypatch, retries
 ):
+    import ray
+
     monkeypatch.setattr(convert_module, "RAY_TASK_RETRIES", retries)
     source, destination = pathlib.Path(shutil.copytree(raw, tmp_path / "raw")), tmp_path / "fs"
-    # The second camera's video of one episode becomes a FIFO with no data: the worker converting
-    # that episode writes its first camera, then blocks reading the second one until it is killed.
+    # The worker converting one episode writes its first camera, then blocks before opening the
+    # second camera's video (a FIFO with no data, read by a setup hook) until it is killed.
     blocked = source / fmt.V21_VIDEO_PATH.format(
         episode_chunk=0, video_key=f"observation.images.{CAMERAS[1]}", episode_index=BLOCKED_EPISODE
     )
-    real = tmp_path / "real.mp4"
-    os.replace(blocked, real)
-    os.mkfifo(blocked)
-    fifo = os.open(blocked, os.O_RDWR)  # a writer that never writes: readers block instead of seeing EOF
+    stall = tmp_path / "stall"
+    os.mkfifo(stall)
+    fifo = os.open(stall, os.O_RDWR)  # a writer that never writes: readers block instead of seeing EOF
+    hook = _stall_hook(tmp_path, blocked, stall)
+    package = pathlib.Path(convert_module.__file__).resolve().parents[1]  # embodied_jax/, as convert ships it
+    ray.init(
+        address=ray_address,
+        runtime_env={"py_modules": [str(package), str(hook)], "worker_process_setup_hook": "stall_hook.install"},
+    )
     finished = [e for e in range(len(LENGTHS)) if e != BLOCKED_EPISODE]
 
     def kill_stalled_worker():
         try:
-            [pid] = _wait_for(lambda: _readers_of(blocked), "a worker to open the stalled video")
+            [pid] = _wait_for(lambda: _readers_of(stall), "a worker to open the stalled video")
             _wait_for(
                 lambda: all((destination / "done" / f"{fs.episode_name(e)}.json").exists() for e in finished),
                 "the other episodes to finish",
@@ -197,29 +236,33 @@ def test_killed_worker_resumes_without_rewriting_finished_episodes(
             assert not (destination / "done" / f"{name}.json").exists()
             assert (destination / "frames" / f"observation.images.{CAMERAS[0]}" / name).exists()  # mid-episode
             stats = {e: _file_stats(destination, e) for e in finished}
-            os.replace(real, blocked)  # later reads get the real video; the killed worker holds the FIFO
+            (tmp_path / "unstalled").write_bytes(b"")
+            os.replace(tmp_path / "unstalled", stall)  # later workers go on; the killed one holds the FIFO
             os.kill(pid, signal.SIGKILL)
             _wait_for(lambda: _dead(pid), "the worker to die")  # before the FIFO's writer closes
             return stats
         finally:
             os.close(fifo)  # on a failure above, the stalled read ends (EOF) and the conversion fails fast
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        killer = pool.submit(kill_stalled_worker)
-        try:
-            if retries:  # Ray re-runs the task on a new worker within the same call
-                report = convert(source, destination, ray_address=ray_address, **QUIET)
-            else:
-                failed = rf"episodes \[{BLOCKED_EPISODE}\] failed on the Ray cluster"
-                with pytest.raises(fs.FrameStoreError, match=failed):
-                    convert(source, destination, ray_address=ray_address, **QUIET)
-        finally:
-            stats = killer.result()
-    if retries:
-        assert report.written == list(range(len(LENGTHS))) and report.frames == sum(LENGTHS)
-    else:  # a second call converts only the failed episode
-        report = convert(source, destination, ray_address=ray_address, **QUIET)
-        assert report.skipped == finished and report.written == [BLOCKED_EPISODE]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            killer = pool.submit(kill_stalled_worker)
+            try:
+                if retries:  # Ray re-runs the task on a new worker within the same call
+                    report = convert(source, destination, ray_address=ray_address, **QUIET)
+                else:
+                    failed = rf"episodes \[{BLOCKED_EPISODE}\] failed on the Ray cluster"
+                    with pytest.raises(fs.FrameStoreError, match=failed):
+                        convert(source, destination, ray_address=ray_address, **QUIET)
+            finally:
+                stats = killer.result()
+        if retries:
+            assert report.written == list(range(len(LENGTHS))) and report.frames == sum(LENGTHS)
+        else:  # a second call converts only the failed episode
+            report = convert(source, destination, ray_address=ray_address, **QUIET)
+            assert report.skipped == finished and report.written == [BLOCKED_EPISODE]
+    finally:
+        ray.shutdown()
     assert {e: _file_stats(destination, e) for e in finished} == stats  # finished episodes were not rewritten
     _assert_same_store(destination, local_store)
     again = convert(source, destination, ray_address=ray_address, **QUIET)

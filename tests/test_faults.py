@@ -7,6 +7,8 @@ the trainer or the launcher must refuse it by name before writing anything, or r
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import functools
 import json
 import os
@@ -18,8 +20,17 @@ import time
 
 import pytest
 
-from embodied_jax.train import loop
-from embodied_jax.train.run_lock import LOCK_NAME, STALE_AFTER_S, RunLock, RunLockedError, stale_reason
+from embodied_jax.train import loop, run_lock
+from embodied_jax.train.checkpoint import Checkpointer, CheckpointRestoreError
+from embodied_jax.train.run_lock import (
+    LOCK_NAME,
+    STALE_AFTER_S,
+    RunLock,
+    RunLockedError,
+    RunLockLostError,
+    pid_start,
+    stale_reason,
+)
 from experiments import launch
 from tests.train_utils import TOY_CLI, losses, toy_config
 
@@ -43,16 +54,17 @@ def _dead_pid() -> int:
 
 def test_a_second_trainer_on_a_live_run_is_refused(tmp_path):
     workdir = tmp_path / "run"
-    _write_lock(workdir, pid=os.getpid())  # this very process holds it: alive
-    with pytest.raises(RunLockedError, match=f"in use by process {os.getpid()} on {socket.gethostname()}"):
-        loop.train(toy_config(workdir, steps=2, checkpoint=True))
-    assert sorted(p.name for p in workdir.iterdir()) == [LOCK_NAME]  # nothing else written
+    with RunLock(workdir):  # this very process holds it (another open file of it, as another process would)
+        with pytest.raises(RunLockedError, match=f"in use by process {os.getpid()} on {socket.gethostname()}"):
+            loop.train(toy_config(workdir, steps=2, checkpoint=True))
+        assert sorted(p.name for p in workdir.iterdir()) == [LOCK_NAME]  # nothing else written
 
 
 def test_the_launcher_names_the_holder_in_one_line(tmp_path, capsys):
     workdir = tmp_path / "run"
-    _write_lock(workdir, pid=os.getpid())
-    assert launch.main([*TOY_CLI, "--train.steps", "2", "--workdir", str(workdir), "--metrics.no-progress-bar"]) == 2
+    with RunLock(workdir):
+        code = launch.main([*TOY_CLI, "--train.steps", "2", "--workdir", str(workdir), "--metrics.no-progress-bar"])
+    assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "in use by process" in err[-1] and "Traceback" not in "".join(err)
 
@@ -68,17 +80,124 @@ def test_a_stale_lock_is_taken_over_and_released(tmp_path, caplog):
 
 def test_staleness_rules():
     now = time.time()
-    here = socket.gethostname()
-    assert stale_reason({"host": here, "pid": os.getpid(), "heartbeat": now}, now) is None
-    assert "heartbeat" in stale_reason({"host": "elsewhere", "pid": 1, "heartbeat": now - STALE_AFTER_S - 1}, now)
-    assert stale_reason({"host": "elsewhere", "pid": 999_999, "heartbeat": now}, now) is None  # cannot tell: live
-    assert "unreadable" in stale_reason(None, now)
+    here, me = socket.gethostname(), os.getpid()
+
+    def record(**kw):
+        return {"host": here, "pid": me, "pid_start": pid_start(me), "started": now, "heartbeat": now, **kw}
+
+    assert stale_reason(record(), now) is None
+    assert stale_reason(record(heartbeat=now - 10 * STALE_AFTER_S), now) is None  # alive here, only paused
+    assert "does not hold the lock" in stale_reason(record(), now, os_locked=True)
+    assert "not the one that took the lock" in stale_reason(record(pid_start=pid_start(me) - 1), now)
+    assert "is gone" in stale_reason(record(pid=_dead_pid()), now)
+    assert "heartbeat" in stale_reason(record(host="elsewhere", heartbeat=now - STALE_AFTER_S - 1), now)
+    assert stale_reason(record(host="elsewhere", pid=999_999), now) is None  # cannot tell: live
+    assert stale_reason(None, now, modified=now) is None  # empty or being written: in use
+    assert "unreadable" in stale_reason(None, now, modified=now - STALE_AFTER_S - 1)
 
 
 def test_the_lock_is_exclusive_within_one_process(tmp_path):
     with RunLock(tmp_path), pytest.raises(RunLockedError):
         RunLock(tmp_path).acquire()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def _no_flock(fd, op):
+    raise OSError(errno.ENOLCK, "No locks available")  # NFS mounted without lock support
+
+
+@pytest.fixture
+def without_flock(monkeypatch):
+    """A file system without ``flock``: the lock relies on its record alone."""
+    monkeypatch.setattr(run_lock.fcntl, "flock", _no_flock)
+    monkeypatch.setattr(run_lock, "SETTLE_S", 0.05)
+
+
+def test_a_lock_file_created_but_not_yet_written_is_not_taken(tmp_path):
+    path = tmp_path / LOCK_NAME
+    path.touch()
+    fd = os.open(path, os.O_RDWR)  # another trainer between creating the file and writing its record
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunLockedError, match="being written"):
+            RunLock(tmp_path).acquire()
+    finally:
+        os.close(fd)
+    assert path.read_text() == ""  # untouched
+
+
+def test_without_flock_an_empty_lock_file_counts_until_it_is_old(tmp_path, without_flock, caplog):
+    path = tmp_path / LOCK_NAME
+    path.touch()
+    with pytest.raises(RunLockedError, match="being written"):
+        RunLock(tmp_path).acquire()
+    old = time.time() - STALE_AFTER_S - 1
+    os.utime(path, (old, old))  # a crash between creating and writing it, long ago
+    with RunLock(tmp_path):
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert "unreadable and unchanged" in caplog.text
+
+
+def test_a_paused_holder_keeps_its_lock(tmp_path):
+    path = tmp_path / LOCK_NAME
+    with RunLock(tmp_path) as holder:
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps({**record, "heartbeat": time.time() - 10 * STALE_AFTER_S}))  # paused 50 min
+        with pytest.raises(RunLockedError, match=f"in use by process {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+        assert holder.heartbeat() and holder.lost is None  # resumed: still the owner
+    assert not path.exists()
+
+
+def test_without_flock_a_resumed_holder_whose_lock_was_taken_stops(tmp_path, without_flock, caplog):
+    path = tmp_path / LOCK_NAME
+    holder = RunLock(tmp_path)
+    holder.acquire()
+    # The holder runs on another host and is paused past the stale time: a trainer here takes over.
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "host": "node-a", "heartbeat": time.time() - STALE_AFTER_S - 1}))
+    taker = RunLock(tmp_path)
+    taker.acquire()
+    assert "its heartbeat is" in caplog.text
+    assert not holder.heartbeat()  # the holder resumes: its next heartbeat reads the record back
+    with pytest.raises(RunLockLostError, match=f"taken by process {os.getpid()} on .* stopped without saving"):
+        holder.check()
+    holder.release()
+    assert json.loads(path.read_text())["token"] == taker._record["token"]  # the holder left the taker's record
+    taker.release()
+    assert not path.exists()
+
+
+def test_without_flock_the_same_host_and_pid_with_another_start_time_is_stale(tmp_path, without_flock, caplog):
+    # A container restarted on this host name whose trainer got the same PID: its own PID, alive.
+    _write_lock(tmp_path, pid=os.getpid())
+    record = json.loads((tmp_path / LOCK_NAME).read_text())
+    (tmp_path / LOCK_NAME).write_text(json.dumps({**record, "pid_start": pid_start(os.getpid()) - 100}))
+    with RunLock(tmp_path):
+        pass
+    assert "is not the one that took the lock" in caplog.text
+    _write_lock(tmp_path, pid=os.getpid())
+    record = json.loads((tmp_path / LOCK_NAME).read_text())
+    (tmp_path / LOCK_NAME).write_text(json.dumps({**record, "pid_start": pid_start(os.getpid())}))
+    with pytest.raises(RunLockedError, match=f"in use by process {os.getpid()}"):  # the same process: alive
+        RunLock(tmp_path).acquire()
+
+
+def test_a_trainer_whose_lock_was_taken_stops_without_saving(tmp_path, monkeypatch):
+    acquire = RunLock.acquire
+
+    def taken_over_at_once(self):
+        acquire(self)
+        record = json.loads(self.path.read_text())
+        self.path.write_text(json.dumps({**record, "pid": 4242, "host": "node-b", "token": "theirs"}))
+        self.heartbeat()
+
+    monkeypatch.setattr(RunLock, "acquire", taken_over_at_once)
+    workdir = tmp_path / "run"
+    with pytest.raises(RunLockLostError, match="taken by process 4242 on node-b"):
+        loop.train(toy_config(workdir, steps=2, checkpoint=True, save_every=1))
+    assert not list((workdir / "checkpoints").glob("[0-9]*"))
+    assert json.loads((workdir / LOCK_NAME).read_text())["token"] == "theirs"
 
 
 @pytest.mark.parametrize(
@@ -133,12 +252,47 @@ def _truncate_largest_array_file(step_dir):
     files[-1].write_bytes(data[: len(data) // 2])
 
 
+def _largest_chunk_file(step_dir):
+    """The biggest file of array chunks (zstd-compressed values in the OCDBT store)."""
+    files = (p for p in (step_dir / "state" / "ocdbt.process_0" / "d").iterdir() if p.is_file())
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _flip_one_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _invert(path):
+    path.write_bytes(bytes(b ^ 0xFF for b in path.read_bytes()))
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _btree_node(step_dir):
+    return next((step_dir / "state" / "d").iterdir())
+
+
+# Each damage and what it is seen as: ``Checkpointer.problem`` (before reading), or the error the
+# restore raises (TensorStore's status, or Python's type).
 DAMAGE = {
-    "truncated array": _truncate_largest_array_file,
-    "emptied _METADATA": lambda d: (d / "state" / "_METADATA").write_text(""),
-    "missing state/": lambda d: shutil.rmtree(d / "state"),
-    "garbage iterator JSON": lambda d: (d / "data" / "process_0-of-1.json").write_text("{not json"),
-    "no commit marker": lambda d: (d / "commit_success.txt").unlink(),
+    "truncated array": (_truncate_largest_array_file, "OUT_OF_RANGE"),
+    "emptied _METADATA": (lambda d: (d / "state" / "_METADATA").write_text(""), "not valid JSON"),
+    "missing state/": (lambda d: shutil.rmtree(d / "state"), "is missing"),
+    "garbage iterator JSON": (lambda d: (d / "data" / "process_0-of-1.json").write_text("{not json"), "not valid JSON"),
+    "no commit marker": (lambda d: (d / "commit_success.txt").unlink(), "is missing"),
+    "truncated array chunks": (lambda d: _truncate(_largest_chunk_file(d)), "OUT_OF_RANGE"),
+    "byte-flipped array chunks": (lambda d: _invert(_largest_chunk_file(d)), "FAILED_PRECONDITION"),
+    "byte-flipped array index": (lambda d: _flip_one_byte(_btree_node(d)), "DATA_LOSS"),
+    "byte-flipped manifest": (lambda d: _flip_one_byte(d / "state" / "manifest.ocdbt"), "DATA_LOSS"),
+    "missing array chunks": (lambda d: _largest_chunk_file(d).unlink(), "FAILED_PRECONDITION"),
+    "missing array index": (lambda d: _btree_node(d).unlink(), "NOT_FOUND"),
+    "missing norm_stats metadata": (lambda d: (d / "norm_stats" / "metadata").unlink(), "FileNotFoundError"),
+    "unreadable _sharding": (lambda d: (d / "state" / "_sharding").write_bytes(b"\xff\x00"), "FAILED_PRECONDITION"),
 }
 
 
@@ -149,15 +303,63 @@ def test_a_damaged_latest_step_is_moved_aside_and_the_run_resumes_from_the_previ
     source, reference = saved_run
     workdir = tmp_path / "run"
     shutil.copytree(source, workdir)
-    DAMAGE[damage](workdir / "checkpoints" / "4")
+    do, seen_as = DAMAGE[damage]
+    do(workdir / "checkpoints" / "4")
     result = loop.train(toy_config(workdir, steps=4, checkpoint=True, save_every=2))
     assert result.restored_from == 2
     assert losses(result.history) == {3: reference[3], 4: reference[4]}  # the same steps, bit for bit
     assert (workdir / "checkpoints" / "corrupt-4").is_dir()
     warning = [r.getMessage() for r in caplog.records if "moved to" in r.getMessage()]
-    assert len(warning) == 1 and "step 4 is unusable" in warning[0]
+    assert len(warning) == 1 and "step 4 is unusable" in warning[0] and seen_as in warning[0], warning
     steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(set(steps))  # one row per step, though steps 3 and 4 ran twice
+    assert steps == [1, 2, 3, 4]  # the rows through step 2 kept; 3 and 4 once, from the resumed run
+
+
+def _os_error_inside_an_array_read(*args, **kwargs):
+    """What Orbax raises for an I/O error while it reads an array: TensorStore's error (its status
+    from the errno, the errno attached), wrapped in a bare Exception."""
+    try:
+        raise ValueError(
+            'UNKNOWN: Error reading "params.out.kernel/0.0" in OCDBT database at local file "/ckpt/4/state/": '
+            "Input/output error [os_error_code='5']"
+        )
+    except ValueError as e:
+        raise Exception("Encountered error while reading array index: (slice(0, 64, 1),).") from e
+
+
+def _raise(error):
+    def restore(*args, **kwargs):
+        raise error
+
+    return restore
+
+
+FAILURES = {
+    "device out of memory": (_raise(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1.2GiB")), "Out of"),
+    "disk full": (_raise(OSError(errno.ENOSPC, "No space left on device")), "No space left"),
+    "I/O error": (_raise(OSError(errno.EIO, "Input/output error")), "Input/output error"),
+    "I/O error inside an array read": (_os_error_inside_an_array_read, "UNKNOWN: Error reading"),
+    "Ctrl-C": (_raise(KeyboardInterrupt()), ""),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_restore_failure_that_is_not_the_checkpoints_moves_nothing(saved_run, tmp_path, monkeypatch, failure):
+    source, _ = saved_run
+    workdir = tmp_path / "run"
+    shutil.copytree(source, workdir)
+    metrics = (workdir / "metrics.jsonl").read_bytes()
+    restore, cause = FAILURES[failure]
+    monkeypatch.setattr(Checkpointer, "restore", restore)
+    argv = [*TOY_CLI, "--train.steps", "4", "--checkpoint.save-every", "2", "--workdir", str(workdir)]
+    expected = KeyboardInterrupt if failure == "Ctrl-C" else CheckpointRestoreError
+    with pytest.raises(expected) as raised:  # not an input error: the launcher lets it end the process (status 1)
+        launch.main(argv)
+    message = "\n".join([str(raised.value), *getattr(raised.value, "__notes__", [])])
+    assert f"checkpoint step 4 ({workdir / 'checkpoints' / '4'})" in message and cause in message
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
+    assert (workdir / "metrics.jsonl").read_bytes() == metrics  # every row kept
+    assert not (workdir / LOCK_NAME).exists()  # released
 
 
 def test_resuming_with_another_model_is_refused_naming_the_leaves(saved_run, tmp_path):

@@ -45,7 +45,9 @@ def _setup(arch, root):
             dit=dataclasses.replace(head.dit, dropout=0.0),
             vl_self_attention=dataclasses.replace(head.vl_self_attention, dropout=0.0),
         )
-        model = dataclasses.replace(config.model, tokenizer_path=str(tokenizer), action_head=head)
+        model = dataclasses.replace(
+            config.model, tokenizer_path=str(tokenizer), action_head=head, flow_samples_per_obs=1
+        )
     else:
         tokenizer = demo.build_tokenizer(root / "tokenizer.model", vocab_size=config.model.vocab_size)
         model = dataclasses.replace(config.model, tokenizer_path=str(tokenizer), flow_samples_per_obs=1)

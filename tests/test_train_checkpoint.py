@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -14,7 +15,9 @@ import pytest
 
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train import loop
-from embodied_jax.train.checkpoint import Checkpointer
+from embodied_jax.train.checkpoint import Checkpointer, damage
+from embodied_jax.train.config import MetricsConfig
+from embodied_jax.train.metrics import MetricsWriter
 from tests.train_utils import TOY_CLI, losses, read_metrics, replace_train, toy_config
 
 
@@ -55,6 +58,36 @@ def test_checkpoint_holds_state_iterator_stats_and_config(tmp_path):
     assert (step_dir / "data" / "process_0-of-1.json").read_text() == '{"next_batch": 10}'
     assert ckpt.read_json(10, "config")["config"]["train"]["steps"] == 10
     ckpt.close()
+
+
+def test_metrics_rows_are_dropped_only_after_the_step_a_restore_resumes_from(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    old = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo'
+    config = MetricsConfig(progress_bar=False, tensorboard=False)
+    path.write_text(old)  # five rows and one a kill cut short
+    MetricsWriter(config, tmp_path, 10, 3, resumed_from=3).close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    path.write_text(old)
+    MetricsWriter(config, tmp_path, 10, 0).close()  # restored nothing: a new history, the old one kept beside it
+    assert path.read_text() == "" and (tmp_path / "metrics.jsonl.1").read_text() == old
+
+
+def test_only_errors_about_the_steps_own_bytes_count_as_damage(tmp_path):
+    step = tmp_path / "checkpoints" / "4"
+    (step / "state").mkdir(parents=True)
+    sharding = f'Error reading local file "{step}/state/_sharding"'
+    assert "FAILED_PRECONDITION" in damage(ValueError(f"FAILED_PRECONDITION: {sharding}: Invalid JSON"), step)
+    busy = ValueError(f"FAILED_PRECONDITION: {sharding}: Device or resource busy [os_error_code='16']")
+    assert damage(busy, step) is None  # what the OS returned (EBUSY), not what the file holds
+    elsewhere = f'Error reading local file "{tmp_path}/checkpoints/40/state/_sharding"'
+    assert damage(ValueError(f"DATA_LOSS: {elsewhere}: checksum"), step) is None  # another step's file
+    assert damage(ValueError(f"RESOURCE_EXHAUSTED: {sharding}"), step) is None
+    assert damage(FileNotFoundError(f"File {step}/norm_stats/metadata not found."), step)
+    assert damage(FileNotFoundError(f"File {tmp_path}/elsewhere not found."), step) is None
+    assert damage(KeyError("tree_metadata"), step) is None  # well-formed JSON of another shape: not proven
+    step.joinpath("state").rmdir()
+    step.rmdir()  # the step is gone (moved, unmounted): nothing proven about its bytes
+    assert damage(ValueError(f"DATA_LOSS: {sharding}: checksum"), step) is None
 
 
 def _launch(args, env, **kw):

@@ -11,12 +11,19 @@ Layout under the store root::
 An episode without its `done` marker is (re)written by the next conversion; `verify_store`
 re-reads every episode and compares with the recorded checksums. `FrameStore` offers the
 same frame-source interface as `LeRobotDataset`, so the pipeline yields identical samples.
+
+A store is untrusted input: its keys name paths inside it only (``embodied_jax.paths``), and the
+shape each array declares is checked before TensorStore allocates it (the per-frame arrays
+against the bytes their chunks hold, frames against ``framestore.json``'s episode lengths and
+camera sizes).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 import os
 import pathlib
 from collections.abc import Sequence
@@ -28,6 +35,7 @@ import tensorstore as ts
 from embodied_jax.data import lerobot_format as fmt
 from embodied_jax.data.modality import Modality
 from embodied_jax.errors import InputError
+from embodied_jax.paths import resolve_inside
 
 SUMMARY = "framestore.json"
 FORMAT = "embodied_jax.framestore/1"
@@ -86,8 +94,25 @@ def write_array(path: pathlib.Path, values: np.ndarray, *, frames: bool, zstd_le
     store.write(values).result()
 
 
+def open_array(path: pathlib.Path) -> Any:
+    """The zarr3 array at ``path``, opened (its metadata read), nothing of its data read yet."""
+    return ts.open({"driver": "zarr3", "kvstore": _kvstore(path)}, open=True).result()
+
+
 def read_array(path: pathlib.Path) -> np.ndarray:
-    return ts.open({"driver": "zarr3", "kvstore": _kvstore(path)}, open=True).result().read().result()
+    """All of the array at ``path`` (arrays this process wrote; a store's are read through ``FrameStore``)."""
+    return open_array(path).read().result()
+
+
+def _stored_bytes(path: pathlib.Path) -> int:
+    """Bytes of the chunk files under ``path`` (links not followed, metadata left out)."""
+    total = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            file = os.path.join(folder, name)
+            if name != "zarr.json" and not os.path.islink(file):
+                total += os.lstat(file).st_size
+    return total
 
 
 def checksum(values: np.ndarray) -> str:
@@ -111,41 +136,118 @@ class FrameStore:
 
     def __init__(self, root: str | pathlib.Path, *, require_complete: bool = True):
         self.root = pathlib.Path(root)
-        summary_path = self.root / SUMMARY
+        summary_path = self._inside(SUMMARY)
         try:
             self.summary = json.loads(summary_path.read_text())
         except FileNotFoundError as exc:
             raise FrameStoreError(f"{summary_path}: missing file (not a frame store)") from exc
-        if self.summary.get("format") != FORMAT:
-            raise FrameStoreError(f"{summary_path}: format {self.summary.get('format')!r} is not {FORMAT!r}")
-        self.fps = float(self.summary["fps"])
-        self.tasks = list(self.summary["tasks"])
-        self.camera_keys = tuple(self.summary["cameras"])
-        self.image_size = self.summary["image_size"]
-        self.features = self.summary["features"]
-        self.version = self.summary["source_version"]
-        episodes = self.summary["episodes"]
-        self.episode_indices = np.array([e["episode_index"] for e in episodes], np.int64)
-        self.episode_lengths = np.array([e["length"] for e in episodes], np.int64)
+        except (OSError, ValueError) as exc:
+            raise FrameStoreError(f"{summary_path}: unreadable ({exc})") from exc
+        if not isinstance(self.summary, dict) or self.summary.get("format") != FORMAT:
+            found = self.summary.get("format") if isinstance(self.summary, dict) else self.summary
+            raise FrameStoreError(f"{summary_path}: format {fmt.shown(found)} is not {FORMAT!r}")
+        fps = self._field("fps", numbers.Real)
+        if not 0 < fps <= fmt.MAX_FPS:
+            raise FrameStoreError(f"{summary_path}: fps = {fps!r}: expected a frame rate in (0, {fmt.MAX_FPS}]")
+        self.fps = float(fps)
+        self.tasks = list(self._field("tasks", list))
+        self.camera_shapes = {key: self._camera_shape(key, v) for key, v in self._field("cameras", dict).items()}
+        self.camera_keys = tuple(self.camera_shapes)
+        self.image_size = self._field("image_size", (list, type(None)))
+        self.features = self._field("features", dict)
+        self.version = self._field("source_version", str)
+        episodes = [e if isinstance(e, dict) else {} for e in self._field("episodes", list)]
+
+        def number(episode: dict, name: str, high: int) -> int:
+            where = f"{summary_path}: episodes"
+            return fmt.bounded_int(episode.get(name), where, name, high=high, error=FrameStoreError)
+
+        self.episode_indices = np.array([number(e, "episode_index", fmt.MAX_EPISODE_INDEX) for e in episodes], np.int64)
+        self.episode_lengths = np.array([number(e, "length", fmt.MAX_FRAMES) for e in episodes], np.int64)
         self.episode_starts = np.concatenate([[0], np.cumsum(self.episode_lengths)]).astype(np.int64)
-        self.modality = Modality.from_json(self.summary["modality"]) if self.summary.get("modality") else None
-        if not (self.root / "arrays" / "done.json").exists():
+        try:
+            self.modality = Modality.from_json(self.summary["modality"]) if self.summary.get("modality") else None
+        except ValueError as exc:
+            raise FrameStoreError(f"{summary_path}: field 'modality': {exc}") from exc
+        if not self._inside("arrays", "done.json").exists():
             raise FrameStoreError(f"{self.root}: per-frame arrays were not written (unfinished conversion)")
         if require_complete:
-            missing = [
-                int(e) for e in self.episode_indices if not (self.root / "done" / f"{episode_name(e)}.json").exists()
-            ]
+            done = {int(e): self._inside("done", f"{episode_name(e)}.json") for e in self.episode_indices}
+            missing = [e for e, marker in done.items() if not marker.exists()]
             if missing:
                 raise FrameStoreError(
                     f"{self.root}: episodes {missing[:10]}{'...' if len(missing) > 10 else ''} "
                     f"were not converted (run the conversion again to resume)"
                 )
-        try:
-            self.arrays = {key: read_array(self.root / "arrays" / key) for key in self.summary["array_keys"]}
-        except ValueError as exc:
-            raise FrameStoreError(f"{self.root / 'arrays'}: unreadable ({exc})") from exc
+        self.arrays = {key: self._read_frame_array(key) for key in self._field("array_keys", list)}
+        tasks = self.arrays.get(fmt.TASK_INDEX)
+        if tasks is not None and tasks.size and (tasks.min() < 0 or tasks.max() >= len(self.tasks)):
+            raise FrameStoreError(
+                f"{self.root / 'arrays' / fmt.TASK_INDEX}: task_index {int(tasks.max())} has no entry in "
+                f"{SUMMARY}'s {len(self.tasks)} tasks"
+            )
         self._position = {int(e): i for i, e in enumerate(self.episode_indices)}
         self._stores: dict[tuple[str, int], Any] = {}
+
+    def _inside(self, *parts: object, field: str | None = None) -> pathlib.Path:
+        what = f"frame store {self.root}" + (f": {SUMMARY} field {field!r}" if field else "")
+        return resolve_inside(self.root, *parts, what=what, error=FrameStoreError, regular_file=field is None)
+
+    def _field(self, name: str, kind: type | tuple[type, ...]) -> Any:
+        if name not in self.summary:
+            raise FrameStoreError(f"{self.root / SUMMARY}: missing field {name!r}")
+        value = self.summary[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise FrameStoreError(f"{self.root / SUMMARY}: field {name!r} = {fmt.shown(value)} has the wrong type")
+        return value
+
+    def _camera_shape(self, key: str, shape: Any) -> tuple[int, int, int]:
+        if (
+            not isinstance(shape, list)
+            or len(shape) != 3
+            or shape[2] != 3
+            or not all(isinstance(s, int) and 0 < s <= fmt.MAX_IMAGE_SIDE for s in shape)
+        ):
+            raise FrameStoreError(
+                f"{self.root / SUMMARY}: cameras[{key!r}] = {fmt.shown(shape)}: expected [H, W, 3] with sides "
+                f"at most {fmt.MAX_IMAGE_SIDE}"
+            )
+        return shape[0], shape[1], shape[2]
+
+    def _open(self, path: pathlib.Path, what: str) -> Any:
+        try:
+            return open_array(path)
+        except ValueError as exc:
+            raise FrameStoreError(f"{path}: cannot open {what} ({exc})") from exc
+
+    def _read_frame_array(self, key: str) -> np.ndarray:
+        """The per-frame array ``key``, its declared size checked against the bytes it stores first."""
+        path = self._inside("arrays", key, field="array_keys")
+        store = self._open(path, f"per-frame array {key!r}")
+        shape, dtype = tuple(store.shape), store.dtype.numpy_dtype
+        declared, stored = math.prod(shape) * dtype.itemsize, _stored_bytes(path)
+        if not shape or shape[0] != self.num_frames or declared > stored:
+            raise FrameStoreError(
+                f"{path}: declares a {dtype} array of shape {list(shape)} ({declared} bytes), but {SUMMARY} "
+                f"lists {self.num_frames} frames and its chunks hold {stored} bytes"
+            )
+        try:
+            return store.read().result()
+        except ValueError as exc:
+            raise FrameStoreError(f"{path}: unreadable ({exc})") from exc
+
+    def _frames(self, key: str, position: int) -> Any:
+        """Camera ``key``'s frames of the episode at ``position``, opened, its shape checked."""
+        episode, length = int(self.episode_indices[position]), int(self.episode_lengths[position])
+        path = self.frame_path(key, episode)
+        store = self._open(path, f"frames of episode {episode}")
+        expected = (length, *self.camera_shapes[key])
+        if tuple(store.shape) != expected or store.dtype.numpy_dtype != np.uint8:
+            raise FrameStoreError(
+                f"{path}: episode {episode}, camera {key}: declares {store.dtype.numpy_dtype} {list(store.shape)}, "
+                f"but {SUMMARY} gives uint8 {list(expected)}"
+            )
+        return store
 
     @property
     def num_episodes(self) -> int:
@@ -165,7 +267,7 @@ class FrameStore:
         return self.tasks[int(self.arrays[fmt.TASK_INDEX][self.episode_starts[position] + frame_index])]
 
     def frame_path(self, key: str, episode_index: int) -> pathlib.Path:
-        return self.root / "frames" / key / episode_name(episode_index)
+        return self._inside("frames", key, episode_name(episode_index), field="cameras")
 
     def images(self, position: int, key: str, frame_indices: Sequence[int]) -> np.ndarray:
         if key not in self.camera_keys:
@@ -174,14 +276,7 @@ class FrameStore:
         store = self._stores.get(cache_key)
         episode = int(self.episode_indices[position])
         if store is None:
-            try:
-                store = ts.open(
-                    {"driver": "zarr3", "kvstore": _kvstore(self.frame_path(key, episode))}, open=True
-                ).result()
-            except ValueError as exc:
-                raise FrameStoreError(
-                    f"{self.frame_path(key, episode)}: cannot open frames of episode {episode} ({exc})"
-                ) from exc
+            store = self._frames(key, position)
             if len(self._stores) > 256:
                 self._stores.clear()
             self._stores[cache_key] = store
@@ -218,12 +313,12 @@ def verify_store(root: str | pathlib.Path) -> dict[int, int]:
     store = FrameStore(root)
     verified = {}
     for position, episode in enumerate(store.episode_indices.tolist()):
-        marker_path = store.root / "done" / f"{episode_name(episode)}.json"
-        marker = json.loads(marker_path.read_text())
+        marker = json.loads(store._inside("done", f"{episode_name(episode)}.json").read_text())
         for key in store.camera_keys:
             path = store.frame_path(key, episode)
+            frames_store = store._frames(key, position)  # its shape checked before it is read whole
             try:
-                frames = read_array(path)
+                frames = frames_store.read().result()
             except ValueError as exc:
                 raise FrameStoreError(
                     f"{path}: episode {episode}, camera {key}: corrupted or unreadable chunk ({exc})"
@@ -235,7 +330,7 @@ def verify_store(root: str | pathlib.Path) -> dict[int, int]:
             if checksum(frames) != marker["checksums"][key]:
                 raise FrameStoreError(f"{path}: episode {episode}, camera {key}: checksum mismatch (corrupted data)")
         verified[episode] = int(store.episode_lengths[position])
-    arrays_marker = json.loads((store.root / "arrays" / "done.json").read_text())
+    arrays_marker = json.loads(store._inside("arrays", "done.json").read_text())
     for key, value in store.arrays.items():
         if checksum(value) != arrays_marker["checksums"][key]:
             raise FrameStoreError(f"{store.root / 'arrays' / key}: checksum mismatch (corrupted data)")

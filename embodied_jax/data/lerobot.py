@@ -6,6 +6,11 @@ taken from PNG bytes in the parquet. Episodes are addressed by *position* (0..nu
 over the episodes kept); `episode_indices[position]` is the dataset's own episode index.
 Every error about a malformed dataset names the file and the episode. ``DatasetMeta`` is the
 metadata alone (``info.json``, ``modality.json``): what a run fits its model to.
+
+A dataset is untrusted input: every file it names stays inside its root
+(``embodied_jax.paths``), its path templates are filled by ``lerobot_format.fill_template``, and
+every count, index and size it declares is checked against what the dataset holds before
+anything of that size is allocated.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import numbers
 import pathlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,6 +32,9 @@ from embodied_jax.data import lerobot_format as fmt
 from embodied_jax.data import video
 from embodied_jax.data.modality import Modality
 from embodied_jax.errors import InputError
+from embodied_jax.paths import resolve_inside
+
+MAX_SECONDS = 1e9  # a video timestamp past this (31 years) is nonsense, not a long recording
 
 
 class DatasetError(InputError, ValueError):
@@ -49,27 +58,47 @@ class EpisodeRecord:
     videos: Mapping[str, VideoSpan]
 
 
-def _read_json(path: pathlib.Path) -> Any:
+def _inside(root: pathlib.Path, relative: str | pathlib.PurePath) -> pathlib.Path:
+    """A file of the dataset at ``root``: inside it, and a regular file when it exists."""
+    return resolve_inside(root, relative, what=f"dataset {root}", error=DatasetError, regular_file=True)
+
+
+def _index(value: Any, where: str, field: str, *, high: int | None = None, low: int = 0) -> int:
+    return fmt.bounded_int(value, where, field, low=low, high=high, error=DatasetError)
+
+
+def _seconds(value: Any, where: str, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= MAX_SECONDS:
+        raise DatasetError(f"{where}: {field} = {fmt.shown(value)}: expected a time in [0, {MAX_SECONDS:g}] seconds")
+    return float(value)
+
+
+def _read_text(path: pathlib.Path) -> str:
     try:
-        return json.loads(path.read_text())
+        return path.read_text()
     except FileNotFoundError as exc:
         raise DatasetError(f"{path}: missing file") from exc
-    except json.JSONDecodeError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"{path}: unreadable ({exc})") from exc
+
+
+def _read_json(path: pathlib.Path) -> Any:
+    try:
+        return json.loads(_read_text(path))
+    except ValueError as exc:  # also integers past Python's digit limit
         raise DatasetError(f"{path}: invalid JSON ({exc})") from exc
 
 
 def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError as exc:
-        raise DatasetError(f"{path}: missing file") from exc
     rows = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:
                 raise DatasetError(f"{path}:{number}: invalid JSON ({exc})") from exc
+            if not isinstance(rows[-1], dict):
+                raise DatasetError(f"{path}:{number}: expected a JSON object, got {fmt.shown(rows[-1])}")
     return rows
 
 
@@ -128,16 +157,22 @@ class DatasetMeta:
     def read(cls, root: str | pathlib.Path, *, modality: Modality | None = None) -> DatasetMeta:
         """``modality``: use this instead of ``meta/modality.json`` (read when present)."""
         root = pathlib.Path(root)
-        info = _read_json(root / fmt.INFO_PATH)
+        info_path = _inside(root, fmt.INFO_PATH)
+        info = _read_json(info_path)
+        if not isinstance(info, dict):
+            raise DatasetError(f"{info_path}: expected a JSON object, got {fmt.shown(info)}")
         version = str(info.get("codebase_version", ""))
         if version not in fmt.SUPPORTED_VERSIONS:
-            raise DatasetError(
-                f"{root / fmt.INFO_PATH}: codebase_version {version!r} is not one of {fmt.SUPPORTED_VERSIONS}"
-            )
+            raise DatasetError(f"{info_path}: codebase_version {version!r} is not one of {fmt.SUPPORTED_VERSIONS}")
         for key in ("fps", "features", "data_path"):
             if key not in info:
-                raise DatasetError(f"{root / fmt.INFO_PATH}: missing field {key!r}")
-        modality_path = root / fmt.MODALITY_PATH
+                raise DatasetError(f"{info_path}: missing field {key!r}")
+        fps = info["fps"]
+        if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not 0 < fps <= fmt.MAX_FPS:
+            raise DatasetError(f"{info_path}: fps = {fmt.shown(fps)}: expected a frame rate in (0, {fmt.MAX_FPS}]")
+        if not isinstance(info["features"], dict):
+            raise DatasetError(f"{info_path}: features = {fmt.shown(info['features'])}: expected a JSON object")
+        modality_path = _inside(root, fmt.MODALITY_PATH)
         try:
             if modality is None and modality_path.exists():
                 modality = Modality.load(modality_path)
@@ -191,9 +226,15 @@ class DatasetMeta:
         """(H, W, C) of camera ``key`` from its info.json shape, stored HWC or CHW."""
         feature = self.features.get(key, {})
         shape = feature.get("shape")
-        if not isinstance(shape, list) or len(shape) != 3 or 3 not in (shape[0], shape[2]):
+        if (
+            not isinstance(shape, list)
+            or len(shape) != 3
+            or 3 not in (shape[0], shape[2])
+            or not all(isinstance(s, int) and 0 < s <= fmt.MAX_IMAGE_SIDE for s in shape)
+        ):
             raise DatasetError(
-                f"{self.root / fmt.INFO_PATH}: camera {key!r} has shape {shape!r}, expected [H, W, 3] or [3, H, W]"
+                f"{self.root / fmt.INFO_PATH}: camera {key!r} has shape {fmt.shown(shape)}, expected [H, W, 3] or "
+                f"[3, H, W] (sides at most {fmt.MAX_IMAGE_SIDE})"
             )
         names = feature.get("names") or []
         if list(names[:1]) == ["channels"] or (shape[0] == 3 and shape[2] != 3):
@@ -257,39 +298,58 @@ class LeRobotDataset:
 
     # ----- metadata -------------------------------------------------------------------------------------------
     def _v21_metadata(self) -> tuple[list[str], list[EpisodeRecord]]:
-        tasks_path = self.root / fmt.V21_TASKS_PATH
+        tasks_path = _inside(self.root, fmt.V21_TASKS_PATH)
         task_rows = _read_jsonl(tasks_path)
         tasks_by_index = {}
         for row in task_rows:
             if "task_index" not in row or "task" not in row:
-                raise DatasetError(f"{tasks_path}: each line needs 'task_index' and 'task', got {row}")
-            tasks_by_index[int(row["task_index"])] = str(row["task"])
+                raise DatasetError(f"{tasks_path}: each line needs 'task_index' and 'task', got {fmt.shown(row)}")
+            tasks_by_index[_index(row["task_index"], str(tasks_path), "task_index", high=len(task_rows))] = str(
+                row["task"]
+            )
         tasks = [tasks_by_index.get(i, "") for i in range(max(tasks_by_index, default=-1) + 1)]
-        chunk_size = int(self.info.get("chunks_size", 1000))
-        video_template = self.info.get("video_path")
+        chunk_size = _index(self.info.get("chunks_size", 1000), str(self.root / fmt.INFO_PATH), "chunks_size", low=1)
         records = []
-        episodes_path = self.root / fmt.V21_EPISODES_PATH
-        for row in _read_jsonl(episodes_path):
+        episodes_path = _inside(self.root, fmt.V21_EPISODES_PATH)
+        rows = _read_jsonl(episodes_path)
+        high = self._episode_bound(len(rows))
+        for row in rows:
             if "episode_index" not in row or "length" not in row:
-                raise DatasetError(f"{episodes_path}: each line needs 'episode_index' and 'length', got {row}")
-            index = int(row["episode_index"])
+                raise DatasetError(
+                    f"{episodes_path}: each line needs 'episode_index' and 'length', got {fmt.shown(row)}"
+                )
+            index = _index(row["episode_index"], str(episodes_path), "episode_index", high=high)
+            length = _index(row["length"], f"{episodes_path}: episode {index}", "length", high=fmt.MAX_FRAMES)
             chunk = index // chunk_size
-            data_path = self.root / self.info["data_path"].format(episode_chunk=chunk, episode_index=index)
+            data_path = self._template_path("data_path", episode_chunk=chunk, episode_index=index)
             videos = {
                 key: VideoSpan(
-                    self.root / video_template.format(episode_chunk=chunk, video_key=key, episode_index=index),
+                    self._template_path("video_path", episode_chunk=chunk, video_key=key, episode_index=index),
                     0.0,
-                    float(row["length"]) / self.fps,
+                    length / self.fps,
                 )
                 for key in self.video_keys
             }
-            records.append(
-                EpisodeRecord(index, int(row["length"]), tuple(row.get("tasks", ())), data_path, None, videos)
-            )
+            records.append(EpisodeRecord(index, length, tuple(row.get("tasks", ())), data_path, None, videos))
         return tasks, records
 
+    def _episode_bound(self, rows: int) -> int:
+        """Episode indices lie below the number of episodes listed (or info.json's total_episodes)."""
+        declared = self.info.get("total_episodes")
+        declared = declared if isinstance(declared, int) and 0 <= declared < fmt.MAX_EPISODE_INDEX else 0
+        return max(rows, declared)
+
+    def _template_path(self, field: str, **values: int | str) -> pathlib.Path:
+        """The file info.json's template ``field`` names for ``values``: inside the dataset."""
+        where = f"{self.root / fmt.INFO_PATH}: {field}"
+        try:
+            relative = fmt.fill_template(self.info.get(field), **values)
+        except ValueError as exc:
+            raise DatasetError(f"{where}: {exc}") from exc
+        return resolve_inside(self.root, relative, what=where, error=DatasetError, regular_file=True)
+
     def _v30_metadata(self) -> tuple[list[str], list[EpisodeRecord]]:
-        tasks_path = self.root / fmt.V30_TASKS_PATH
+        tasks_path = _inside(self.root, fmt.V30_TASKS_PATH)
         table = _read_parquet(tasks_path)
         names = table.column_names
         if "task_index" not in names:
@@ -301,13 +361,15 @@ class LeRobotDataset:
             raise DatasetError(
                 f"{tasks_path}: no task string column (expected the index 'task' or '__index_level_0__')"
             )
-        indices = table.column("task_index").to_pylist()
+        rows = table.num_rows
+        indices = [_index(i, str(tasks_path), "task_index", high=rows) for i in table.column("task_index").to_pylist()]
         strings = table.column(task_column).to_pylist()
         tasks = [""] * (max(indices, default=-1) + 1)
         for i, s in zip(indices, strings, strict=True):
-            tasks[int(i)] = str(s)
+            tasks[i] = str(s)
 
-        files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
+        files = sorted(self.root.glob("meta/episodes/chunk-*/file-*.parquet"))
+        files = [_inside(self.root, path.relative_to(self.root)) for path in files]
         if not files:
             raise DatasetError(
                 f"{self.root / 'meta' / 'episodes'}: missing episode metadata files (chunk-*/file-*.parquet)"
@@ -322,39 +384,44 @@ class LeRobotDataset:
         ]
         for key in self.video_keys:
             required += [f"videos/{key}/{c}" for c in ("chunk_index", "file_index", "from_timestamp", "to_timestamp")]
+        tables = [
+            (path, _read_parquet(path, required + (["tasks"] if "tasks" in pq.read_schema(path).names else [])))
+            for path in files
+        ]
+        # Files hold whole episodes: no chunk or file index reaches the number of episodes.
+        total = sum(table.num_rows for _, table in tables)
+        high = self._episode_bound(total)
         records = []
-        video_template = self.info.get("video_path")
-        for path in files:
-            table = _read_parquet(path, required + (["tasks"] if "tasks" in pq.read_schema(path).names else []))
+        for path, table in tables:
             for row in table.to_pylist():
-                index = int(row["episode_index"])
-                data_path = self.root / self.info["data_path"].format(
-                    chunk_index=int(row["data/chunk_index"]), file_index=int(row["data/file_index"])
+                index = _index(row["episode_index"], str(path), "episode_index", high=high)
+                where = f"{path}: episode {index}"
+                data_path = self._template_path(
+                    "data_path",
+                    chunk_index=_index(row["data/chunk_index"], where, "data/chunk_index", high=total),
+                    file_index=_index(row["data/file_index"], where, "data/file_index", high=total),
                 )
                 videos = {}
                 for key in self.video_keys:
                     p = f"videos/{key}/"
                     videos[key] = VideoSpan(
-                        self.root
-                        / video_template.format(
+                        self._template_path(
+                            "video_path",
                             video_key=key,
-                            chunk_index=int(row[p + "chunk_index"]),
-                            file_index=int(row[p + "file_index"]),
+                            chunk_index=_index(row[p + "chunk_index"], where, p + "chunk_index", high=total),
+                            file_index=_index(row[p + "file_index"], where, p + "file_index", high=total),
                         ),
-                        float(row[p + "from_timestamp"]),
-                        float(row[p + "to_timestamp"]),
+                        _seconds(row[p + "from_timestamp"], where, p + "from_timestamp"),
+                        _seconds(row[p + "to_timestamp"], where, p + "to_timestamp"),
                     )
-                length = int(row["length"])
-                if int(row["dataset_to_index"]) - int(row["dataset_from_index"]) != length:
+                length = _index(row["length"], where, "length", high=fmt.MAX_FRAMES)
+                start = _index(row["dataset_from_index"], where, "dataset_from_index", high=fmt.MAX_FRAMES)
+                stop = _index(row["dataset_to_index"], where, "dataset_to_index", high=fmt.MAX_FRAMES)
+                if stop - start != length:
                     raise DatasetError(
-                        f"{path}: episode {index}: dataset_to_index - dataset_from_index "
-                        f"= {int(row['dataset_to_index']) - int(row['dataset_from_index'])} but length = {length}"
+                        f"{where}: dataset_to_index - dataset_from_index = {stop - start} but length = {length}"
                     )
-                records.append(
-                    EpisodeRecord(
-                        index, length, tuple(row.get("tasks") or ()), data_path, int(row["dataset_from_index"]), videos
-                    )
-                )
+                records.append(EpisodeRecord(index, length, tuple(row.get("tasks") or ()), data_path, start, videos))
         records.sort(key=lambda r: r.episode_index)
         return tasks, records
 
@@ -508,39 +575,55 @@ class LeRobotDataset:
         """uint8 [N, H, W, 3] frames of camera `key` for frames of an episode."""
         record = self.episodes[position]
         frame_indices = np.asarray(frame_indices, dtype=np.int64)
+        length = int(self.episode_lengths[position])
+        if frame_indices.size and (frame_indices.min() < 0 or frame_indices.max() >= length):
+            raise IndexError(f"frames {frame_indices.tolist()} outside episode {record.episode_index} of {length}")
         if key in record.videos:
             span = record.videos[key]
             timestamps = (
                 self.episode_array(position, fmt.TIMESTAMP)[frame_indices].astype(np.float64) + span.from_timestamp
             )
             try:
-                frames = self._video_cache.get(span.path).frames_at(timestamps, self.fps, self.tolerance_s)
+                video_file = self._video_cache.get(span.path)
+                if video_file.size + (3,) != self.image_shape(key):  # before a frame of that size is decoded
+                    raise DatasetError(
+                        f"{span.path}: camera {key} decodes to {list(video_file.size) + [3]} (H, W, C), but "
+                        f"meta/info.json gives {list(self.image_shape(key))} [episode {record.episode_index}]"
+                    )
+                return video_file.frames_at(timestamps, self.fps, self.tolerance_s)
             except video.VideoDecodeError as exc:
                 raise DatasetError(f"{exc} [episode {record.episode_index}, camera {key}]") from exc
-            if frames.shape[1:] != self.image_shape(key):
-                raise DatasetError(
-                    f"{span.path}: camera {key} decodes to {list(frames.shape[1:])} (H, W, C), but meta/info.json "
-                    f"gives {list(self.image_shape(key))} [episode {record.episode_index}]"
-                )
-            return frames
         if key in self.image_keys:
             column = self._image_column(record.data_path, key)
             start = self._row_starts[position]
-            out = []
-            for frame in frame_indices:
-                cell = column[start + int(frame)].as_py()
-                data = cell.get("bytes") if isinstance(cell, dict) else cell
-                if data is None and isinstance(cell, dict) and cell.get("path"):
-                    data = (self.root / cell["path"]).read_bytes()
-                try:
-                    out.append(video.decode_png(data))
-                except Exception as exc:  # FFmpeg raises several error types for bad image bytes.
-                    raise DatasetError(
-                        f"{record.data_path}: episode {record.episode_index}: frame {int(frame)} of "
-                        f"{key} does not decode as an image ({exc})"
-                    ) from exc
-            return np.stack(out)
+            return np.stack([self._image(column[start + int(f)].as_py(), record, key, int(f)) for f in frame_indices])
         raise KeyError(f"{key!r} is not a camera of {self.root}; cameras: {self.camera_keys}")
+
+    def _image(self, cell: Any, record: EpisodeRecord, key: str, frame: int) -> np.ndarray:
+        """One frame of image feature ``key`` from its parquet cell (PNG bytes, or a file inside the dataset)."""
+        where = f"{record.data_path}: episode {record.episode_index}: frame {frame} of {key}"
+        data = cell.get("bytes") if isinstance(cell, dict) else cell
+        if data is None and isinstance(cell, dict) and cell.get("path") is not None:
+            path = resolve_inside(self.root, cell["path"], what=f"{where}: path", error=DatasetError, regular_file=True)
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError as exc:
+                raise DatasetError(
+                    f"{path}: missing image file [episode {record.episode_index}, frame {frame}, camera {key}]"
+                ) from exc
+            except OSError as exc:
+                raise DatasetError(f"{path}: unreadable image file ({exc}) [{where}]") from exc
+        if not isinstance(data, bytes):
+            raise DatasetError(f"{where}: no image bytes in the cell (got {fmt.shown(cell)})")
+        declared = video.png_size(data)
+        if declared is not None and declared + (3,) != self.image_shape(key):  # before decoding that many pixels
+            raise DatasetError(
+                f"{where}: the PNG is {declared[0]}x{declared[1]}, meta/info.json gives {list(self.image_shape(key))}"
+            )
+        try:
+            return video.decode_png(data)
+        except Exception as exc:  # FFmpeg raises several error types for bad image bytes.
+            raise DatasetError(f"{where} does not decode as an image ({exc})") from exc
 
     def _image_column(self, path: pathlib.Path, key: str) -> pa.ChunkedArray:
         cache_key = (str(path), key)

@@ -140,6 +140,11 @@ class VideoFile:
         self._time_base = float(self._stream.time_base)
         self.lock = threading.Lock()  # a container decodes from one thread at a time
 
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) the stream declares, known before any frame is decoded."""
+        return int(self._stream.codec_context.height), int(self._stream.codec_context.width)
+
     def close(self) -> None:
         self._container.close()
 
@@ -261,6 +266,16 @@ def encode_png(image: np.ndarray) -> bytes:
     context.width, context.height, context.pix_fmt = image.shape[1], image.shape[0], "rgb24"
     frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
     return b"".join(bytes(packet) for packet in list(context.encode(frame)) + list(context.encode(None)))
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) a PNG's IHDR header declares, read without decoding; None for other bytes."""
+    if len(data) < 24 or not data.startswith(PNG_SIGNATURE) or data[12:16] != b"IHDR":
+        return None
+    return int.from_bytes(data[20:24], "big"), int.from_bytes(data[16:20], "big")
 
 
 def decode_png(data: bytes) -> np.ndarray:

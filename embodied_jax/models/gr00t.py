@@ -293,8 +293,11 @@ class Gr00tConfig(PolicyConfig):
         draws = slots * self.flow_samples_per_obs  # the DiT runs once per (slot, flow draw)
         tokens_dit = draws * dit_tokens
         # cross-attention keys/values are projected once per VL token of a row (upstream: per sample);
-        # unpacked rows repeat their VL tokens for each flow draw
-        context_tokens = vl_tokens if "segment_ids" in batch else vl_tokens * self.flow_samples_per_obs
+        # with several flow draws, once per draw of each sample's tokens (its window when packed)
+        if self.flow_samples_per_obs == 1:
+            context_tokens = vl_tokens
+        else:
+            context_tokens = draws * window if "segment_ids" in batch else vl_tokens * self.flow_samples_per_obs
         dit_flops = cross * flops.transformer_layer(
             tokens_dit, 0, context_tokens=context_tokens, context_width=llm.width, **dit_dims
         ) + (dit.num_layers - cross) * flops.transformer_layer(tokens_dit, 0, **dit_dims)
@@ -472,11 +475,10 @@ class Gr00tPolicy(nnx.Module):
         # Draw j of slot i is row i·K + j; the DiT of every draw cross-attends its slot's VL tokens.
         draws = functools.partial(jnp.repeat, repeats=k, axis=0)
         if k > 1:
-            if layout["context_gather"] is None:
-                vl = draws(vl)
-            else:
+            if layout["context_gather"] is not None:  # packed rows: each slot's window, then its draws
                 rows, index = layout["context_gather"]
-                layout = {**layout, "context_gather": (draws(rows), draws(index))}
+                vl, layout = vl[rows[:, None], index], {**layout, "context_gather": None}
+            vl = draws(vl)
             layout = {**layout, "dit_q": draws(layout["dit_q"]), "dit_kv": draws(layout["dit_kv"])}
             actions, state_features, slots = draws(actions), draws(state_features), draws(slots)
         x_t = (1.0 - t[:, None, None]) * noise + t[:, None, None] * actions

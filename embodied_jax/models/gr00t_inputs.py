@@ -27,12 +27,17 @@ from typing import Any
 
 import numpy as np
 
+from embodied_jax.errors import InputError
 from embodied_jax.models.tokenizer import JsonTokenizer
 from embodied_jax.nn.image import to_unit_range
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 IMAGE_CONTEXT = "<IMG_CONTEXT>"
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<img>", "</img>", IMAGE_CONTEXT)
+
+
+class PromptError(InputError, ValueError):
+    """A task that cannot become a GR00T prompt (a special token in it, or too many tokens)."""
 
 
 def eagle_prompt(task: str, num_images: int, image_tokens: int = 256) -> str:
@@ -97,12 +102,16 @@ class Gr00tInputBuilder:
         )
 
     def prompt_ids(self, task: str, num_images: int) -> np.ndarray:
-        """The unpadded prompt's token ids (int32) for ``num_images`` image blocks."""
+        """The unpadded prompt's token ids (int32) for ``num_images`` image blocks; a task holding
+        one of the chat template's special tokens, or too long for ``max_token_len``, is a
+        ``PromptError`` (the task's fault, not the tokenizer's)."""
+        special = [t for t in SPECIAL_TOKENS if t in task]
+        if special:
+            raise PromptError(f"task: holds the special token {special[0]}, which only the prompt template may place")
         ids = self._tokenizer.encode(eagle_prompt(task.strip(), num_images, self.image_tokens))
         if len(ids) > self.max_token_len:
-            raise ValueError(
-                f"GR00T prompt has {len(ids)} tokens, more than max_token_len={self.max_token_len} "
-                f"(task: {task[:60]!r})"
+            raise PromptError(
+                f"task: the GR00T prompt has {len(ids)} tokens, more than max_token_len={self.max_token_len}"
             )
         found = sum(i == self.image_token_id for i in ids)
         if found != num_images * self.image_tokens:

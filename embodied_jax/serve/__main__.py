@@ -2,7 +2,9 @@
 
 Loads the policy once (a run directory or an exported policy), compiles every batch bucket,
 then serves until SIGTERM or Ctrl-C. ``--api-key`` (or ``EMBODIED_JAX_API_KEY``) makes the
-server refuse, at the handshake, any client that does not send ``Authorization: Api-Key KEY``.
+server refuse, at the handshake, any client that does not send ``Authorization: Api-Key KEY``;
+a handshake carrying a browser ``Origin`` is refused unless ``--allow-origin`` names it. The
+limits on what clients may send or hold are flags (``ServeConfig`` in ``server.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,25 @@ from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 API_KEY_ENV = "EMBODIED_JAX_API_KEY"
 
 
+def ensure_file_descriptors(connections: int, spare: int = 64) -> None:
+    """Raise the soft open-file limit towards the hard one so ``connections`` sockets (and the
+    files the process needs besides) fit; warn when they cannot."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = connections + spare
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < need:
+            logging.getLogger(__name__).warning(
+                "open-file limit %d is below --max-connections %d + %d: lower --max-connections or raise ulimit -n",
+                target,
+                connections,
+                spare,
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m embodied_jax.serve", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a run directory, its checkpoints/ or an exported policy")
@@ -33,14 +54,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-ema", action="store_true", help="serve the trained parameters, not their EMA")
     parser.add_argument("--seed", type=int, default=0, help="of the noise of requests without a seed")
     parser.add_argument("--rtc", action="store_true", help="real-time chunking: accept prefix_actions/inference_delay")
+    limits = parser.add_argument_group("limits on clients")
+    limits.add_argument("--max-task-chars", type=int, default=1000)
+    limits.add_argument("--max-queue", type=int, default=32, help="requests waiting; more are refused 'server busy'")
+    limits.add_argument("--max-connections", type=int, default=64, help="at the cap, the most silent is closed")
+    limits.add_argument("--max-inflight-mb", type=float, default=128.0, help="request bytes in flight, all clients")
+    limits.add_argument("--handshake-timeout-s", type=float, default=5.0)
+    limits.add_argument("--send-timeout-s", type=float, default=10.0, help="drop a client not reading its answers")
+    limits.add_argument(
+        "--allow-origin", action="append", default=[], help="a browser Origin to accept (repeatable; default none)"
+    )
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("embodied_jax").setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.ERROR)
 
-    from embodied_jax import load_policy
+    from embodied_jax import host_malloc, load_policy
     from embodied_jax.serve.server import PolicyServer, ServeConfig
+
+    host_malloc.return_large_buffers()  # clients' large messages go back to the kernel once answered
 
     try:
         config = ServeConfig(
@@ -52,7 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_message_mb=args.max_message_mb,
             seed=args.seed,
             rtc=args.rtc,
+            max_task_chars=args.max_task_chars,
+            max_queue=args.max_queue,
+            max_connections=args.max_connections,
+            max_inflight_mb=args.max_inflight_mb,
+            handshake_timeout_s=args.handshake_timeout_s,
+            send_timeout_s=args.send_timeout_s,
+            allow_origins=tuple(args.allow_origin),
         )
+        ensure_file_descriptors(config.max_connections)
         if args.step is None and not args.no_ema:
             bundle = load_policy(args.checkpoint)
         else:

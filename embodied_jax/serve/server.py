@@ -5,8 +5,9 @@ connect the server sends its metadata; then each binary message is one unbatched
 (msgpack-numpy, ``wire.py``) and is answered with ``{"actions": float32 [H, A],
 "server_timing": {"infer_ms", "batch_size", "queue_ms"}}``. A request that cannot be served
 (a missing key, a wrong shape or dtype, a non-finite state, a malformed or oversized message)
-is answered with a text frame naming the field and what was expected; the connection stays
-open and other clients are not affected. ``GET /healthz`` answers 200 on the same port.
+is answered with a text frame (at most 1 KiB) naming the field and what was expected; the
+connection stays open and other clients are not affected. ``GET /healthz`` answers 200 on the
+same port.
 
 Observation keys are the bundle's (``docs/observations.md``): ``observation.state``,
 ``observation.images.<camera>``, ``task``. openpi's spellings are accepted too: flat
@@ -21,6 +22,19 @@ Batching: requests arriving within ``batch_timeout_ms`` of the first are served 
 up to ``max_batch`` observations, padded to the next compiled bucket (1, 2, 4, ...,
 ``max_batch``; all compiled before the server accepts connections). Each row's noise comes from
 its own key, so a request's actions do not depend on what it was batched with.
+
+One request's fault stays its own: decoding, checks and the per-sample transform
+(tokenisation included) run for each request alone, off the event loop, before it joins a
+batch (``PolicyBundle.prepare_row``); if a batched call fails anyway, each of its rows is
+sampled alone so only the faulty one is refused; actions that are not finite are never sent.
+Error texts quote nothing of another request and no server path; a failure that is not the
+request's fault is logged as a numbered incident and the client gets the number. Everything a
+client controls is bounded (``ServeConfig``): message size, task length, requests waiting for
+inference (beyond ``max_queue`` a "server busy" refusal), bytes in flight over all clients
+(``max_inflight_mb``, each admitted message counted twice: it and its decoded arrays), the
+write buffer, the handshake time and the connections (``admission.py``). A client that
+disconnects takes its queued request with it. Browser origins are refused unless allowed
+(``allow_origins``); the API key is compared in constant time.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import http
 import logging
 import math
@@ -39,13 +54,19 @@ import jax
 import numpy as np
 import websockets
 from websockets.asyncio.server import Request, Response, ServerConnection, serve
+from websockets.protocol import State
 
-from embodied_jax.bundle import ObservationError, PolicyBundle, RtcPrefix, row_keys
+from embodied_jax.bundle import ObservationError, PolicyBundle, PreparedRow, RtcPrefix, row_keys
+from embodied_jax.errors import InputError
 from embodied_jax.serve import wire
+from embodied_jax.serve.admission import ByteBudget, ConnectionTable
 
 log = logging.getLogger(__name__)
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_ERROR_BYTES = 1024
+MAX_NESTING = 4  # openpi's nested observation dicts are two levels deep
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +79,35 @@ class ServeConfig:
     max_message_mb: float = 32.0
     seed: int = 0  # of the key requests without a ``seed`` draw their noise from
     rtc: bool = False  # real-time chunking: requests may carry ``prefix_actions`` and ``inference_delay``
+    max_task_chars: int = 1000
+    max_queue: int = 32  # requests waiting for inference; more are refused ("server busy")
+    max_connections: int = 64  # at the cap the connection silent longest is closed (admission.py)
+    max_inflight_mb: float = 128.0  # request bytes in flight over all clients
+    handshake_timeout_s: float = 5.0
+    send_timeout_s: float = 10.0  # a client that does not read its answer for this long is disconnected
+    write_limit_kb: int = 64  # websockets' write buffer per connection
+    allow_origins: tuple[str, ...] = ()  # browser origins accepted (none by default)
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_task_chars", "max_queue", "max_connections", "write_limit_kb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig.{name}={getattr(self, name)} must be >= 1")
+        for name in ("max_message_mb", "max_inflight_mb", "handshake_timeout_s", "send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServeConfig.{name}={getattr(self, name)} must be > 0")
+        if 2 * self.message_limit > self.inflight_limit:
+            raise ValueError(
+                f"ServeConfig.max_inflight_mb={self.max_inflight_mb} must hold two messages of "
+                f"max_message_mb={self.max_message_mb} (a message and its decoded arrays)"
+            )
+
+    @property
+    def message_limit(self) -> int:
+        return int(self.max_message_mb * 2**20)
+
+    @property
+    def inflight_limit(self) -> int:
+        return int(self.max_inflight_mb * 2**20)
 
 
 def buckets(max_batch: int) -> tuple[int, ...]:
@@ -68,22 +118,38 @@ def buckets(max_batch: int) -> tuple[int, ...]:
     return (*sizes, max_batch)
 
 
+def error_text(text: str) -> str:
+    """The text frame of a refusal: ``error: ...``, at most ``MAX_ERROR_BYTES`` of UTF-8."""
+    encoded = f"error: {text}".encode()
+    if len(encoded) <= MAX_ERROR_BYTES:
+        return encoded.decode()
+    return encoded[: MAX_ERROR_BYTES - 3].decode(errors="ignore") + "..."
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def canonical_observation(message: Mapping[str, Any]) -> dict[str, Any]:
     """The observation in the bundle's keys: nested dicts flattened with ".", "/" read as ".",
     ``prompt`` as ``task``."""
+    # Iterative, not a recursive closure: a closure that refers to itself is a reference cycle
+    # that would keep every request's arrays alive until the garbage collector runs.
     flat: dict[str, Any] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
+    pending = [(message, "", 1)]
+    while pending:
+        node, prefix, depth = pending.pop()
+        if depth > MAX_NESTING:
+            raise ObservationError(f"{prefix.rstrip('.')}: observation maps nest deeper than {MAX_NESTING} levels")
         for key, value in node.items():
             if not isinstance(key, str):
-                raise ObservationError(f"observation keys must be strings, got {key!r}")
+                raise ObservationError(f"observation keys must be strings, got {type(key).__name__} {_short(key)}")
             name = prefix + key.replace("/", ".")
             if isinstance(value, Mapping):
-                walk(value, name + ".")
+                pending.append((value, name + ".", depth + 1))
             else:
                 flat[name] = value
-
-    walk(message, "")
     if "prompt" in flat and "task" not in flat:
         flat["task"] = flat.pop("prompt")
     return flat
@@ -91,11 +157,17 @@ def canonical_observation(message: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class _Request:
-    observation: dict[str, Any]
+    row: PreparedRow
     key: jax.Array
-    prefix: RtcPrefix | None
-    future: asyncio.Future
+    future: asyncio.Future  # -> _Answer
     received: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    actions: np.ndarray | None = None
+    timing: dict[str, float] | None = None
+    error: str | None = None
 
 
 class PolicyServer:
@@ -115,11 +187,19 @@ class PolicyServer:
         }
         self._rng = jax.random.key(config.seed)
         self._queue: asyncio.Queue[_Request] | None = None
+        # Inference and preparation each own one thread: a slow request's preparation never
+        # holds up a batch being sampled, and neither runs on the event loop.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy")
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self._stopped: asyncio.Event | None = None
+        self.connections = ConnectionTable(config.max_connections)
+        self.budget = ByteBudget(config.inflight_limit)
         self.port: int | None = None
         self.served = 0
         self.refused = 0
+        self.cancelled = 0
+        self.incidents = 0
+        self.loop_lag_ms: list[float] = []  # the event loop's lateness, sampled every 10 ms
 
     # ------------------------------------------------------------------ inference
     def example_observation(self) -> dict[str, Any]:
@@ -131,22 +211,53 @@ class PolicyServer:
 
     def warm_up(self) -> None:
         """Compile every bucket before accepting connections."""
-        example = self.example_observation()
+        row = self.bundle.prepare_row(self.example_observation(), guided=self.config.rtc)
         for size in self.buckets:
             t0 = time.perf_counter()
             keys = jax.random.split(jax.random.key(0), size)
-            self.bundle.predict_rows([example] * size, keys, prefixes=[None] * size if self.config.rtc else None)
+            self.bundle.sample_prepared([row] * size, keys, guided=self.config.rtc)
             log.info("bucket %d compiled in %.1f s", size, time.perf_counter() - t0)
 
-    def _infer(self, requests: list[_Request]) -> tuple[np.ndarray, float]:
+    def _incident(self, what: str) -> str:
+        """Log the current exception as a numbered incident; the text for the client."""
+        self.incidents += 1
+        log.exception("incident %d: %s", self.incidents, what)
+        return f"{what} (incident {self.incidents}; the server log has the details)"
+
+    def _sample(self, requests: list[_Request]) -> list[np.ndarray]:
         size = next(b for b in self.buckets if b >= len(requests))
-        rows = requests + [requests[0]] * (size - len(requests))
+        rows = [r.row for r in requests] + [requests[0].row] * (size - len(requests))
+        keys = jax.numpy.stack([r.key for r in requests] + [requests[0].key] * (size - len(requests)))
+        actions = self.bundle.sample_prepared(rows, keys, guided=self.config.rtc)
+        return list(np.asarray(actions[: len(requests)], np.float32))
+
+    def _infer(self, requests: list[_Request]) -> list[_Answer]:
+        """Answers in request order; a failed batch is retried row by row, so only a faulty row fails."""
         t0 = time.perf_counter()
-        prefixes = [r.prefix for r in rows] if self.config.rtc else None
-        actions = self.bundle.predict_rows(
-            [r.observation for r in rows], jax.numpy.stack([r.key for r in rows]), prefixes=prefixes
-        )
-        return np.asarray(actions[: len(requests)], np.float32), (time.perf_counter() - t0) * 1e3
+        try:
+            outcomes: list[np.ndarray | str] = self._sample(requests)
+        except Exception:
+            log.exception("a batch of %d failed: sampling each request alone", len(requests))
+            outcomes = []
+            for r in requests:
+                try:
+                    outcomes.extend(self._sample([r]))
+                except Exception:
+                    outcomes.append(self._incident("inference failed for this request"))
+        infer_ms = (time.perf_counter() - t0) * 1e3
+        answers = []
+        for outcome in outcomes:
+            if isinstance(outcome, str):
+                answers.append(_Answer(error=outcome))
+            elif not np.isfinite(outcome).all():
+                self.incidents += 1
+                log.error("incident %d: non-finite actions not sent: %s", self.incidents, outcome.tolist())
+                answers.append(
+                    _Answer(error=f"inference produced non-finite actions (incident {self.incidents}); none were sent")
+                )
+            else:
+                answers.append(_Answer(outcome, {"infer_ms": infer_ms, "batch_size": len(requests)}))
+        return answers
 
     async def _batcher(self) -> None:
         loop = asyncio.get_running_loop()
@@ -162,31 +273,31 @@ class PolicyServer:
                     batch.append(await asyncio.wait_for(self._queue.get(), remaining))
                 except TimeoutError:
                     break
-            batch = [r for r in batch if not r.future.done()]  # a client that left loses only its answer
-            if not batch:
+            live = [r for r in batch if not r.future.done()]  # a client that left took its request with it
+            self.cancelled += len(batch) - len(live)
+            if not live:
                 continue
-            try:
-                actions, infer_ms = await loop.run_in_executor(self._executor, self._infer, batch)
-            except Exception as e:  # a failed call fails its requests, never the server
-                log.exception("inference failed for a batch of %d", len(batch))
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(e)
-                continue
+            answers = await loop.run_in_executor(self._executor, self._infer, live)
             done = time.perf_counter()
-            for row, r in zip(actions, batch, strict=True):
+            for r, answer in zip(live, answers, strict=True):
                 if not r.future.done():
-                    timing = {"infer_ms": infer_ms, "batch_size": len(batch), "queue_ms": (done - r.received) * 1e3}
-                    r.future.set_result((row, timing))
+                    if answer.timing is not None:
+                        answer = dataclasses.replace(
+                            answer, timing={**answer.timing, "queue_ms": (done - r.received) * 1e3}
+                        )
+                    r.future.set_result(answer)
 
-    # ------------------------------------------------------------------ connections
+    # ------------------------------------------------------------------ one request
     def _request_key(self, observation: dict[str, Any]) -> jax.Array:
         seed = observation.pop("seed", None)
         if seed is None:
             self._rng, key = jax.random.split(self._rng)
             return key
-        if isinstance(seed, (bool, float)) or not isinstance(seed, (int, np.integer)):
-            raise ObservationError(f"seed: expected an integer, got {type(seed).__name__} {seed!r}")
+        if isinstance(seed, (bool, np.bool_, float)) or not isinstance(seed, (int, np.integer)):
+            raise ObservationError(f"seed: expected an integer, got {type(seed).__name__} {_short(seed)}")
+        lo, hi = SEED_RANGE
+        if not lo <= int(seed) <= hi:
+            raise ObservationError(f"seed: expected an integer in [-2**63, 2**63 - 1], got {_short(int(seed))}")
         return row_keys(jax.random.key(int(seed)), 1)[0]  # what predict(observation, rng=key(seed)) uses
 
     def _prefix(self, observation: dict[str, Any]) -> RtcPrefix | None:
@@ -197,88 +308,197 @@ class PolicyServer:
             raise ObservationError("prefix_actions/inference_delay: this server was started without --rtc")
         if actions is None:
             raise ObservationError("inference_delay: given without prefix_actions")
-        if isinstance(delay, (bool, float)) or not isinstance(delay or 0, (int, np.integer)):
-            raise ObservationError(f"inference_delay: expected an integer, got {delay!r}")
-        prefix = RtcPrefix(np.asarray(actions), int(delay or 0))
+        if isinstance(delay, (bool, np.bool_, float)) or not isinstance(delay or 0, (int, np.integer)):
+            raise ObservationError(f"inference_delay: expected an integer, got {_short(delay)}")
+        if not isinstance(actions, np.ndarray) or actions.dtype.kind != "f":
+            raise ObservationError("prefix_actions: expected a float32 array [P, A]")
+        prefix = RtcPrefix(actions, int(delay or 0))
         prefix.check(*self.bundle.action_shape)
         return prefix
 
-    def _parse(self, message: bytes | str) -> tuple[dict[str, Any], jax.Array, RtcPrefix | None]:
-        if isinstance(message, str):
-            raise wire.WireError("expected a binary msgpack-numpy message, got a text frame")
-        limit = int(self.config.max_message_mb * 2**20)
-        if len(message) > limit:
-            raise wire.WireError(f"message of {len(message)} bytes exceeds the {limit}-byte limit (--max-message-mb)")
+    def _prepare_or_refuse(self, message: bytes) -> tuple[PreparedRow, jax.Array] | str:
+        """``_prepare``'s result, or the refusal's text. Refusals stay in this thread as text: an
+        exception carried back would keep the request's decoded arrays alive in its traceback
+        until the garbage collector found the cycle."""
+        try:
+            return self._prepare(message)
+        except InputError as e:
+            return str(e)
+        except Exception:
+            return self._incident("this request could not be prepared")
+
+    def _prepare(self, message: bytes) -> tuple[PreparedRow, jax.Array]:
+        """Decode, check and transform one request (in the preparation thread)."""
         decoded = wire.unpackb(message)
         if not isinstance(decoded, Mapping):
             raise ObservationError(f"expected one observation (a map of keys to values), got {type(decoded).__name__}")
         observation = canonical_observation(decoded)
+        task = observation.get("task")
+        if isinstance(task, str) and len(task) > self.config.max_task_chars:
+            raise ObservationError(
+                f"task: {len(task)} characters, more than the {self.config.max_task_chars} accepted (--max-task-chars)"
+            )
         key = self._request_key(observation)
         prefix = self._prefix(observation)
-        self.bundle.check_observation(observation, batched=False)
-        return observation, key, prefix
+        return self.bundle.prepare_row(observation, prefix, guided=self.config.rtc), key
 
-    async def _handler(self, connection: ServerConnection) -> None:
-        await connection.send(wire.packb(self.metadata))
+    async def _answer(self, connection: ServerConnection, message: bytes | str) -> bytes | str | None:
+        """The reply to one message: packed actions, an error text, or None (the client left)."""
+        if isinstance(message, str):
+            return error_text("expected a binary msgpack-numpy message, got a text frame")
+        limit = self.config.message_limit
+        if len(message) > limit:
+            return error_text(f"message of {len(message)} bytes exceeds the {limit}-byte limit (--max-message-mb)")
+        cost = 2 * len(message)
+        if not self.budget.try_acquire(cost):
+            return error_text("server busy: too many request bytes in flight (--max-inflight-mb); retry later")
         loop = asyncio.get_running_loop()
         try:
-            async for message in connection:
-                received = time.perf_counter()
+            prepared = await loop.run_in_executor(self._prepare_pool, self._prepare_or_refuse, message)
+            del message
+            if isinstance(prepared, str):
+                return error_text(prepared)
+            row, key = prepared
+            future = loop.create_future()
+            try:
+                self._queue.put_nowait(_Request(row, key, future, time.perf_counter()))
+            except asyncio.QueueFull:
+                return error_text(
+                    f"server busy: {self.config.max_queue} requests wait for inference (--max-queue); retry later"
+                )
+            closed = asyncio.ensure_future(connection.wait_closed())
+            try:
+                await asyncio.wait({future, closed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                closed.cancel()
+            if not future.done():
+                future.cancel()  # the client left: the batcher skips its request
+                return None
+            answer: _Answer = future.result()
+            if answer.error is not None:
+                return error_text(answer.error)
+            return wire.packb({"actions": answer.actions, "server_timing": answer.timing})
+        finally:
+            self.budget.release(cost)
+
+    # ------------------------------------------------------------------ connections
+    async def _handler(self, connection: ServerConnection) -> None:
+        try:
+            await self._send(connection, wire.packb(self.metadata))
+            while True:
+                message = await connection.recv()
+                self.connections.request_started(connection)
                 try:
-                    observation, key, prefix = self._parse(message)
-                except (ObservationError, wire.WireError) as e:
-                    self.refused += 1
-                    await connection.send(f"error: {e}")
-                    continue
-                future = loop.create_future()
-                await self._queue.put(_Request(observation, key, prefix, future, received))
-                try:
-                    actions, timing = await future
-                except Exception as e:
-                    self.refused += 1
-                    await connection.send(f"error: inference failed: {type(e).__name__}: {e}")
-                    continue
-                self.served += 1
-                await connection.send(wire.packb({"actions": actions, "server_timing": timing}))
+                    reply = await self._answer(connection, message)
+                    del message  # an idle connection holds no message
+                    if reply is None:
+                        return
+                    if isinstance(reply, str):
+                        self.refused += 1
+                    else:
+                        self.served += 1
+                    await self._send(connection, reply)
+                finally:
+                    self.connections.request_finished(connection)
         except websockets.ConnectionClosed:
             pass  # the client left; its pending answer (if any) is dropped
+
+    async def _send(self, connection: ServerConnection, reply: bytes | str) -> None:
+        """Send, or drop a client that has not read its answers for ``send_timeout_s``."""
+        try:
+            async with asyncio.timeout(self.config.send_timeout_s):
+                await connection.send(reply)
+        except TimeoutError:
+            log.warning("closing a connection that has not read its answers for %.0f s", self.config.send_timeout_s)
+            connection.transport.abort()
+            raise websockets.ConnectionClosed(None, None) from None
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         if request.path == "/healthz":
             return connection.respond(http.HTTPStatus.OK, "OK\n")
         if self.config.api_key is not None:
-            if request.headers.get("Authorization") != f"Api-Key {self.config.api_key}":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Api-Key {self.config.api_key}".encode()):
                 return connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
         return None
 
+    def _evict(self, connection: ServerConnection) -> None:
+        if connection.protocol.state is State.OPEN:
+            reason = "server at its connection cap: closed the connection silent longest"
+
+            async def close() -> None:
+                try:
+                    async with asyncio.timeout(1.0):
+                        await connection.close(1013, reason)
+                except TimeoutError:
+                    connection.transport.abort()
+
+            asyncio.ensure_future(close())
+        else:
+            connection.transport.abort()
+
+    def _connection_class(self) -> type[ServerConnection]:
+        table, evict = self.connections, self._evict
+
+        class TrackedConnection(ServerConnection):
+            """Counted from TCP accept to close (``admission.ConnectionTable``)."""
+
+            def connection_made(self, transport) -> None:
+                super().connection_made(transport)
+                victim = table.opened(self)
+                if victim is not None:
+                    evict(victim)
+
+            def connection_lost(self, exc) -> None:
+                table.closed(self)
+                super().connection_lost(exc)
+
+        return TrackedConnection
+
+    async def _watch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(0.01)
+            self.loop_lag_ms.append(max(0.0, (loop.time() - start - 0.01) * 1e3))
+            if len(self.loop_lag_ms) > 100_000:
+                del self.loop_lag_ms[:50_000]
+
     async def run(self, ready: Callable[[PolicyServer], None] | None = None) -> None:
         """Serve until ``stop()``; ``ready(self)`` once the port is bound (``self.port``)."""
-        self._queue = asyncio.Queue()
+        config = self.config
+        self._queue = asyncio.Queue(maxsize=config.max_queue)
         self._stopped = asyncio.Event()
-        if self.config.host not in LOCAL_HOSTS and self.config.api_key is None:
+        if config.host not in LOCAL_HOSTS and config.api_key is None:
             log.warning(
                 "serving on %s without an API key: any host that reaches it can query the policy "
                 "(--api-key KEY or EMBODIED_JAX_API_KEY)",
-                self.config.host,
+                config.host,
             )
-        # Oversized messages are refused by ``_parse`` with a named error; the transport limit
-        # only stops a client from exhausting memory.
-        transport_limit = 4 * int(self.config.max_message_mb * 2**20)
+        # A message a little over the limit is read and refused with a named error; a larger one
+        # is refused by websockets (close 1009) before it is buffered whole.
         async with serve(
             self._handler,
-            self.config.host,
-            self.config.port,
+            config.host,
+            config.port,
             compression=None,
-            max_size=transport_limit,
+            max_size=config.message_limit + 2**16,
+            max_queue=2,
+            write_limit=config.write_limit_kb * 1024,
+            open_timeout=config.handshake_timeout_s,
+            origins=[None, *config.allow_origins],  # None: no Origin header (robots, not browsers)
             process_request=self._process_request,
+            create_connection=self._connection_class(),
         ) as server:
             self.port = server.sockets[0].getsockname()[1]
-            batcher = asyncio.create_task(self._batcher())
+            tasks = [asyncio.create_task(self._batcher()), asyncio.create_task(self._watch_loop())]
             if ready is not None:
                 ready(self)
             await self._stopped.wait()
-            batcher.cancel()
+            for task in tasks:
+                task.cancel()
         self._executor.shutdown(wait=True)
+        self._prepare_pool.shutdown(wait=True)
 
     def stop(self) -> None:
         if self._stopped is not None:

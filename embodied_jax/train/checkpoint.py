@@ -7,7 +7,9 @@ tokenizer: ``embodied_jax.assets``), so a step is complete wherever it is moved.
 Saves are asynchronous; Orbax writes into a temporary directory and
 renames it when complete, so a save killed half-way leaves the previous step intact.
 Restoring goes through abstract target shardings, so a run saved on one mesh resumes
-on another.
+on another. ``damage`` tells a restore that failed on the step's own bytes (which the trainer
+moves aside) from one that failed for any other reason (device memory, disk, file system),
+which leaves the step where it is.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import pathlib
 from typing import Any
 
@@ -35,6 +38,65 @@ log = logging.getLogger(__name__)
 
 class StateMismatchError(InputError, ValueError):
     """A checkpoint's train state does not fit the run's (architecture, frozen set, optimizer)."""
+
+
+class CheckpointRestoreError(RuntimeError):
+    """A step failed to restore for a reason other than damage to its own files; nothing was moved."""
+
+    def __init__(self, step: int, step_dir: pathlib.Path, cause: BaseException):
+        super().__init__(
+            f"checkpoint step {step} ({step_dir}) could not be restored: {describe_error(cause)}. This is not damage "
+            f"to the checkpoint's own files, so no step was moved aside and metrics.jsonl is unchanged; fix the "
+            f"cause (device memory, disk space, the file system) and launch again"
+        )
+        self.step = step
+
+
+# TensorStore raises ``ValueError("<STATUS>: ...")``. These statuses are what it reports for a
+# step's own bytes, found by damaging a saved step (tests/test_faults.py): DATA_LOSS (a CRC-32C
+# mismatch in the manifest or a b-tree node), OUT_OF_RANGE (a byte range past the end of a
+# truncated file), NOT_FOUND (a missing file), FAILED_PRECONDITION (an array chunk that does not
+# decompress, or ``_sharding`` that is not JSON). An error the operating system returned (EIO,
+# ENOSPC, EACCES, ...) comes with its errno in the message, whatever its status: not damage.
+_DAMAGE_STATUSES = ("DATA_LOSS:", "OUT_OF_RANGE:", "NOT_FOUND:", "FAILED_PRECONDITION:")
+_OS_ERROR_MARKS = ("os_error_code", "[OS error")
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    # Orbax re-raises an array read's error as a bare ``Exception`` naming the array index.
+    while type(error) is Exception and error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def describe_error(error: BaseException) -> str:
+    """``"ValueError: DATA_LOSS: ..."``: the type and first line of the error behind Orbax's wrapper."""
+    error = _unwrap(error)
+    text = str(error).split("See full TensorStore details")[0].split(" [tensorstore_spec=")[0].strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
+
+
+def damage(error: BaseException, step_dir: pathlib.Path) -> str | None:
+    """Why ``error``, raised while restoring ``step_dir``, proves the step's own files damaged; None
+    when it does not (it is then not the step's fault, and the step must stay where it is).
+
+    Damage is: JSON that does not decode, a file of the step that is missing, or a TensorStore
+    status for bad bytes (``_DAMAGE_STATUSES``) about a file of the step and without an OS errno.
+    """
+    cause = _unwrap(error)
+    text = str(cause)
+    inside = f"{step_dir}{os.sep}"
+    if not step_dir.is_dir():  # gone meanwhile (moved, unmounted): nothing proven about its bytes
+        own = False
+    elif isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError)):
+        own = True
+    elif isinstance(cause, FileNotFoundError):
+        own = inside in str(cause.filename or text)
+    elif type(cause) is ValueError:
+        own = text.startswith(_DAMAGE_STATUSES) and inside in text and not any(m in text for m in _OS_ERROR_MARKS)
+    else:
+        own = False
+    return describe_error(cause) if own else None
 
 
 class _FilesHandler(ocp.CheckpointHandler):
@@ -286,6 +348,10 @@ class Checkpointer:
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     return f"data/{path.name} is not valid JSON ({e})"
         return None
+
+    def damage(self, step: int, error: BaseException) -> str | None:
+        """``damage(error, <step directory>)``: the reason to move ``step`` aside, or None."""
+        return damage(error, self.step_directory(step))
 
     def move_aside(self, step: int, reason: str) -> pathlib.Path:
         """Rename a step that cannot be restored to ``corrupt-<step>`` (kept for inspection)."""

@@ -4,7 +4,9 @@ The host reads each step's metrics one step late, while the next step runs, so t
 device never waits for the host. SIGTERM/SIGINT end the run at the next step
 boundary with a final checkpoint (exit status 128 + signal number, so schedulers
 requeue it); ``train.max_consecutive_skips`` non-finite steps in a row end it with a
-checkpoint and ``NonFiniteLossError``.
+checkpoint and ``NonFiniteLossError``. A restore that fails for any reason but damage to the
+checkpoint's own files ends it with ``CheckpointRestoreError`` and nothing moved; a run lock
+that another trainer took over ends it with ``RunLockLostError`` and nothing saved.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from embodied_jax.parallel.rules import MESH_AXES, RulesError, ShardingRules
 from embodied_jax.parallel.sharding import data_parallel_size, global_batch, mesh_context
 from embodied_jax.policy import PolicyConfig
 from embodied_jax.train import pretrained
-from embodied_jax.train.checkpoint import Checkpointer, StateMismatchError
+from embodied_jax.train.checkpoint import Checkpointer, CheckpointRestoreError, StateMismatchError
 from embodied_jax.train.config import Evaluation, ExperimentConfig
 from embodied_jax.train.metrics import MetricsWriter, Throughput
 from embodied_jax.train.optimizer import make_optimizer
@@ -287,30 +289,32 @@ def _warn_on_schedule_change(ckpt: Checkpointer, step: int, rt: Runtime) -> None
 def restore_newest_good(ckpt: Checkpointer, rt: Runtime, data_it: BatchIterator) -> tuple[int, TrainState, dict] | None:
     """(step, state, norm_stats) of the newest step that restores; None when there is none.
 
-    A step that is incomplete (``Checkpointer.problem``) or whose arrays fail to read is moved
-    to ``corrupt-<step>`` with a warning and the next older one is tried. A state tree that no
-    longer fits the run (``StateMismatchError``) is a ``ConfigError``: nothing is moved.
+    Only proven damage moves a step: one that is incomplete (``Checkpointer.problem``) or whose
+    own files fail to decode (``Checkpointer.damage``) is moved to ``corrupt-<step>`` with a
+    warning and the next older one is tried. Any other failure (device memory, a full disk, an
+    I/O error, Ctrl-C) propagates naming the step, as ``CheckpointRestoreError`` for an
+    ``Exception``, and nothing is moved. A state tree that no longer fits the run
+    (``StateMismatchError``) is a ``ConfigError``: nothing is moved either.
     """
     while (step := ckpt.latest_step()) is not None:
-        reason = ckpt.problem(step)
-        if reason is None:
-            try:
+        try:
+            reason = ckpt.problem(step)
+            if reason is None:
                 state, stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step, iterator=data_it)
                 _warn_on_schedule_change(ckpt, step, rt)
                 return step, state, stats
-            except StateMismatchError as e:  # the run changed, not the step
-                changed = _changed_fields(
-                    ckpt, step, rt.config, ("model", "optimizer.freeze", "optimizer.frozen_dtype")
-                )
-                raise ConfigError(f"{e}{'; changed: ' + changed if changed else ''}") from e
-            except IteratorStateMismatch as e:
-                raise ConfigError(str(e)) from e
-            except (OSError, ValueError, KeyError, RuntimeError) as e:  # TensorStore/Orbax on damaged files
-                reason = (
-                    f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-                    if str(e).strip()
-                    else type(e).__name__
-                )
+        except StateMismatchError as e:  # the run changed, not the step
+            changed = _changed_fields(ckpt, step, rt.config, ("model", "optimizer.freeze", "optimizer.frozen_dtype"))
+            raise ConfigError(f"{e}{'; changed: ' + changed if changed else ''}") from e
+        except IteratorStateMismatch as e:
+            raise ConfigError(str(e)) from e
+        except Exception as e:
+            reason = ckpt.damage(step, e)
+            if reason is None:
+                raise CheckpointRestoreError(step, ckpt.step_directory(step), e) from e
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: keep their meaning
+            e.add_note(f"while restoring checkpoint step {step} ({ckpt.step_directory(step)}); nothing was moved")
+            raise
         ckpt.move_aside(step, reason)
     return None
 
@@ -349,13 +353,19 @@ def train(config: ExperimentConfig) -> RunResult:
             )
         cleanup.callback(data_it.close)
         norm_stats = _stats_json(data_it)
+        lock = None
         if jax.process_index() == 0:  # one owner per run directory; the job's other processes follow it
-            cleanup.enter_context(RunLock(workdir))
+            lock = cleanup.enter_context(RunLock(workdir))
         ckpt = None
         restored_from = None
         if config.checkpoint.enabled:
             ckpt = Checkpointer(config.checkpoint.directory or workdir / "checkpoints", config.checkpoint)
-        restored = restore_newest_good(ckpt, rt, data_it) if ckpt is not None else None
+        try:
+            restored = restore_newest_good(ckpt, rt, data_it) if ckpt is not None else None
+        except BaseException:
+            if ckpt is not None:
+                ckpt.close()
+            raise
         if restored is not None:
             restored_from, state, saved_stats = restored
             norm_stats = saved_stats or norm_stats
@@ -364,7 +374,7 @@ def train(config: ExperimentConfig) -> RunResult:
             state = initial_state(rt)
         first = int(jax.device_get(state.step))
         config_dict = to_dict(config)
-        writer = MetricsWriter(config.metrics, workdir, t.steps, first, config_dict)
+        writer = MetricsWriter(config.metrics, workdir, t.steps, first, config_dict, resumed_from=restored_from)
         step_fn = None
         evaluation = None  # started at the first evaluation, kept for the run
         throughput = Throughput()
@@ -377,6 +387,8 @@ def train(config: ExperimentConfig) -> RunResult:
 
         def save(step: int, force: bool = False) -> None:
             nonlocal unconfirmed
+            if lock is not None:
+                lock.check()  # never write into a run directory another trainer took over
             if ckpt is not None:
                 ckpt.save(
                     step, state, iterator=data_it, norm_stats=norm_stats, config=config_dict, assets=assets, force=force
@@ -427,6 +439,8 @@ def train(config: ExperimentConfig) -> RunResult:
         with _SignalFlag() as stop, rt.context():
             try:
                 for step in range(first, t.steps):
+                    if lock is not None:
+                        lock.check()
                     batch = global_batch(next(data_it), rt.mesh, rt.rules)
                     if step_fn is None:
                         step_fn = rt.step_function(batch)

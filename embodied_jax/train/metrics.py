@@ -1,4 +1,9 @@
-"""Training metrics to stdout (with a tqdm progress bar), ``metrics.jsonl``, TensorBoard and W&B (offline)."""
+"""Training metrics to stdout (with a tqdm progress bar), ``metrics.jsonl``, TensorBoard and W&B (offline).
+
+``metrics.jsonl`` holds one row per step. A run resumed from a checkpoint drops only the rows
+after that checkpoint's step (it recomputes them); a run that restored nothing keeps an earlier
+start's file as ``metrics.jsonl.<n>`` rather than erasing it.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,17 @@ from tqdm import tqdm
 from embodied_jax.train.config import MetricsConfig
 
 log = logging.getLogger(__name__)
+
+
+def _set_aside(path: pathlib.Path) -> None:
+    """A run that restored no checkpoint begins a new history: keep the old one beside it."""
+    if not path.exists() or not path.read_text().strip():
+        return
+    n = 1
+    while (target := path.with_name(f"{path.name}.{n}")).exists():
+        n += 1
+    os.replace(path, target)
+    log.warning("%s holds the metrics of an earlier start that no checkpoint continues: kept as %s", path, target)
 
 
 def _keep_rows_through(path: pathlib.Path, step: int) -> None:
@@ -46,7 +62,11 @@ class MetricsWriter:
         total_steps: int,
         first_step: int = 0,
         run_config: dict | None = None,
+        *,
+        resumed_from: int | None = None,
     ):
+        """``resumed_from``: the checkpoint step a resumed run restored (its later rows are dropped);
+        None for a run that restored nothing."""
         self.enabled = jax.process_index() == 0
         self.history: list[dict[str, float]] = []
         self._bar = None
@@ -57,7 +77,10 @@ class MetricsWriter:
             return
         pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
         path = pathlib.Path(workdir) / "metrics.jsonl"
-        _keep_rows_through(path, first_step)
+        if resumed_from is None:
+            _set_aside(path)
+        else:
+            _keep_rows_through(path, resumed_from)
         self._jsonl = open(path, "a")
         if config.progress_bar:
             self._bar = tqdm(total=total_steps, initial=first_step, dynamic_ncols=True, desc="train")

@@ -90,10 +90,11 @@ def stand_in_bundle(name: str, workdir: pathlib.Path):
 class RunningServer:
     """A ``PolicyServer`` on its own event loop in a background thread."""
 
-    def __init__(self, bundle, max_batch: int, batch_timeout_ms: float = 5.0):
+    def __init__(self, bundle, max_batch: int, batch_timeout_ms: float = 5.0, **limits):
         from embodied_jax.serve.server import PolicyServer, ServeConfig
 
-        self.server = PolicyServer(bundle, ServeConfig(port=0, max_batch=max_batch, batch_timeout_ms=batch_timeout_ms))
+        config = ServeConfig(port=0, max_batch=max_batch, batch_timeout_ms=batch_timeout_ms, **limits)
+        self.server = PolicyServer(bundle, config)
         t0 = time.perf_counter()
         self.server.warm_up()
         self.compile_s = time.perf_counter() - t0
