@@ -452,6 +452,15 @@ class PolicyServer:
             def connection_lost(self, exc) -> None:
                 table.closed(self)
                 super().connection_lost(exc)
+                # A protocol error (a message over max_size) leaves the exception in the protocol and the
+                # protocol in the exception's traceback: a cycle that would keep the bytes read so far
+                # (tens of MiB) until the garbage collector ran. Drop the bytes and the traceback now.
+                protocol = self.protocol
+                if getattr(protocol, "parser_exc", None) is not None:
+                    protocol.parser_exc.__traceback__ = None
+                buffer = getattr(getattr(protocol, "reader", None), "buffer", None)
+                if isinstance(buffer, bytearray):
+                    buffer.clear()
 
         return TrackedConnection
 

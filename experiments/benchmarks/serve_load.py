@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import multiprocessing
 import socket
@@ -198,12 +199,12 @@ def _never_reading_worker(port: int, deadline: float, counts: collections.Counte
             sock.close()
 
 
-def _hostile_process(port: int, spec: dict, limit: int, workers: int, seconds: float, out) -> None:
+def _hostile_process(port: int, spec: dict, limit: int, workers: int, kinds, seconds: float, out) -> None:
     deadline = time.monotonic() + seconds
-    counts = {kind: collections.Counter() for kind in KINDS}
+    counts = {kind: collections.Counter() for kind in kinds}
     threads = []
     for i in range(workers):
-        kind = KINDS[i % len(KINDS)]
+        kind = kinds[i % len(kinds)]
         if kind == "never_reading":
             target, args = _never_reading_worker, (port, deadline, counts[kind])
         else:
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", help="a trained run directory or an exported policy")
     parser.add_argument("--honest", type=int, default=4)
-    parser.add_argument("--hostile", type=int, default=12, help=f"attackers, spread over {', '.join(KINDS)}")
+    parser.add_argument("--hostile", type=int, default=12, help="attackers, spread over --kinds")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the hostile kinds to run")
     parser.add_argument("--seconds", type=float, default=60.0, help="under attack")
     parser.add_argument("--unloaded-seconds", type=float, default=15.0)
     parser.add_argument("--think-ms", type=float, default=50.0, help="honest robots execute their actions this long")
@@ -291,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
         bundle, args.max_batch, max_message_mb=args.max_message_mb, max_connections=args.max_connections
     )
     server = running.server
+    gc.freeze()  # as the server command does once its policy is loaded
     spec = {k: (tuple(s), d) for k, (s, d) in server.spec.items()}
     robots = Robots(server.port, spec, args.honest, args.think_ms / 1e3)
     try:
@@ -300,7 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
         receiver, sender = multiprocessing.get_context("spawn").Pipe(duplex=False)
         attackers = multiprocessing.get_context("spawn").Process(
             target=_hostile_process,
-            args=(server.port, spec, server.config.message_limit, args.hostile, args.seconds, sender),
+            args=(server.port, spec, server.config.message_limit, args.hostile, tuple(args.kinds), args.seconds)
+            + (sender,),
             daemon=True,
         )
         attackers.start()
@@ -348,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rss_mb": {"before": rss_before, "peak": peak[0], "after": rss_after, "growth": peak[0] - rss_before},
     }
     u, lo = unloaded, loaded
-    print(f"honest robots: {args.honest}, hostile clients: {args.hostile} ({', '.join(KINDS)})")
+    print(f"honest robots: {args.honest}, hostile clients: {args.hostile} ({', '.join(args.kinds)})")
     print("| phase | answered | failed | p50 ms | p99 ms |")
     print("|---|---|---|---|---|")
     for name, r in (("unloaded", u), ("under attack", lo)):
@@ -356,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"honest p99 under attack / unloaded: {result['p99_ratio']:.2f}x")
     print("| hostile kind | connected | sent | answered | refused (text error) | closed by the server |")
     print("|---|---|---|---|---|---|")
-    for kind in KINDS:
+    for kind in args.kinds:
         c = hostile.get(kind, {}) if isinstance(hostile, dict) else {}
         print(
             f"| {kind} | {c.get('connected', 0)} | {c.get('sent', 0)} | {c.get('answered', 0)} | "
