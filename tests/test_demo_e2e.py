@@ -261,3 +261,28 @@ def test_the_default_demo_directory_is_per_task():
     assert config.run_directory() == pathlib.Path("runs/demo/reach")
     assert dataclasses.replace(config, task="pick_place").run_directory() == pathlib.Path("runs/demo/pick_place")
     assert dataclasses.replace(config, workdir="elsewhere").run_directory() == pathlib.Path("elsewhere")
+
+
+@pytest.mark.parametrize("arch", ["pi05", "gr00t"])
+def test_the_demo_fits_its_model_to_the_task(arch):
+    """handover (two arms, three cameras) gets 9 state dims with the phase, 8 action dims, an
+    image slot per camera and 1.5x the steps; the one-arm tasks keep the demo's sizes."""
+    from experiments.demo import demo_config, fit_to_task
+
+    base = demo_config(arch=arch)
+    reach = fit_to_task(base)
+    assert reach.model == base.model and reach.data == base.data and reach.train == base.train
+    handover = fit_to_task(dataclasses.replace(base, task="handover"))
+    model = handover.model
+    assert (model.max_state_dim, model.action_dim, len(model.camera_names)) == (9, 8, 3)
+    assert [k for k, _ in handover.data.inputs.cameras] == [
+        "observation.images.scene",
+        "observation.images.wrist_left",
+        "observation.images.wrist_right",
+    ]
+    assert handover.data.data.spec.camera_keys == tuple(k for k, _ in handover.data.inputs.cameras)
+    assert handover.train.steps == round(1.5 * base.train.steps)
+    if arch == "pi05":
+        assert model.max_action_dim == 8 and model.max_token_len == base.model.max_token_len + 1
+    else:
+        assert model.max_token_len == model.image_block_tokens + 48
