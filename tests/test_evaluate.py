@@ -176,7 +176,7 @@ def test_predict_names_each_bad_input(bundle, one):
         ),
         ({**one, SCENE: np.zeros((32, 32, 4), np.uint8)}, rf"{SCENE}: expected an RGB image \[H, W, 3\]"),
         ({**one, STATE: np.zeros(dim + 1, np.float32)}, rf"{STATE}: expected {dim} values per state"),
-        ({**one, STATE: np.full(dim, np.nan, np.float32)}, rf"{STATE} holds non-finite values"),
+        ({**one, STATE: np.full(dim, np.nan, np.float32)}, rf"{STATE} holds {dim} non-finite values \(of {dim}\)"),
         ({**one, STATE: np.zeros(dim, bool)}, rf"{STATE}: expected real numbers"),
         ({**one, WRIST: one[WRIST].astype(np.int16)}, rf"{WRIST}: images must be uint8"),
         ({**one, "task": 3}, r"task: expected the instruction as a str"),
