@@ -324,6 +324,31 @@ def test_a_full_queue_answers_server_busy_at_once(bundle, observation, monkeypat
     assert all(isinstance(r, dict) for r in results[1:])
 
 
+def test_robots_already_answered_go_before_new_connections(bundle, observation, monkeypatch):
+    order = []
+    real = bundle.sample_prepared
+
+    def recording(rows, keys, *, guided=False):
+        order.extend("robot" if r.state[0] == MARK else "newcomer" for r in rows)
+        if len(order) == 2:  # the robot's first request, then the blocker: hold the queue
+            time.sleep(1.5)
+        return real(rows, keys, guided=guided)
+
+    monkeypatch.setattr(bundle, "sample_prepared", recording)
+    with running(bundle, max_batch=1, batch_timeout_ms=1.0) as server, _client(server) as robot:
+        robot.infer(_marked(observation))  # answered once: from now on a known robot
+        blocker = threading.Thread(target=_infer_once, args=(server, observation))
+        blocker.start()
+        time.sleep(0.5)  # the blocker is being sampled
+        newcomer = threading.Thread(target=_infer_once, args=(server, observation))
+        newcomer.start()
+        time.sleep(0.3)  # the newcomer waits in the queue first ...
+        robot.infer(_marked(observation))  # ... yet the robot is sampled before it
+        for thread in (blocker, newcomer):
+            thread.join(60)
+    assert order == ["robot", "newcomer", "robot", "newcomer"]
+
+
 def _catch(call):
     try:
         return call()

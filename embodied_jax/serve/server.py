@@ -30,7 +30,8 @@ sampled alone so only the faulty one is refused; actions that are not finite are
 Error texts quote nothing of another request and no server path; a failure that is not the
 request's fault is logged as a numbered incident and the client gets the number. Everything a
 client controls is bounded (``ServeConfig``): message size, task length, requests waiting for
-inference (beyond ``max_queue`` a "server busy" refusal), bytes in flight over all clients
+inference (beyond ``max_queue`` a "server busy" refusal; connections already answered go first, so
+a flood of new connections waits behind robots in their closed loop), bytes in flight over all clients
 (``max_inflight_mb``, each admitted message counted twice: it and its decoded arrays), the
 write buffer, the handshake time and the connections (``admission.py``). A client that
 disconnects takes its queued request with it. Browser origins are refused unless allowed
@@ -155,12 +156,16 @@ def canonical_observation(message: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(order=True)
 class _Request:
-    row: PreparedRow
-    key: jax.Array
-    future: asyncio.Future  # -> _Answer
-    received: float
+    # Queue order: requests of connections already answered before (robots in their closed loop)
+    # go before the first request of a new connection, then first come, first served.
+    newcomer: bool
+    seq: int
+    row: PreparedRow = dataclasses.field(compare=False)
+    key: jax.Array = dataclasses.field(compare=False)
+    future: asyncio.Future = dataclasses.field(compare=False)  # -> _Answer
+    received: float = dataclasses.field(compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +191,9 @@ class PolicyServer:
             "rtc": config.rtc,
         }
         self._rng = jax.random.key(config.seed)
-        self._queue: asyncio.Queue[_Request] | None = None
+        self._queue: asyncio.PriorityQueue[_Request] | None = None
+        self._answered: dict[ServerConnection, int] = {}  # answers sent per open connection
+        self._seq = 0
         # Inference and preparation each own one thread: a slow request's preparation never
         # holds up a batch being sampled, and neither runs on the event loop.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy")
@@ -361,7 +368,9 @@ class PolicyServer:
             row, key = prepared
             future = loop.create_future()
             try:
-                self._queue.put_nowait(_Request(row, key, future, time.perf_counter()))
+                self._seq += 1
+                newcomer = self._answered.get(connection, 0) == 0
+                self._queue.put_nowait(_Request(newcomer, self._seq, row, key, future, time.perf_counter()))
             except asyncio.QueueFull:
                 return error_text(
                     f"server busy: {self.config.max_queue} requests wait for inference (--max-queue); retry later"
@@ -397,11 +406,14 @@ class PolicyServer:
                         self.refused += 1
                     else:
                         self.served += 1
+                        self._answered[connection] = self._answered.get(connection, 0) + 1
                     await self._send(connection, reply)
                 finally:
                     self.connections.request_finished(connection)
         except websockets.ConnectionClosed:
             pass  # the client left; its pending answer (if any) is dropped
+        finally:
+            self._answered.pop(connection, None)
 
     async def _send(self, connection: ServerConnection, reply: bytes | str) -> None:
         """Send, or drop a client that has not read its answers for ``send_timeout_s``."""
@@ -476,7 +488,7 @@ class PolicyServer:
     async def run(self, ready: Callable[[PolicyServer], None] | None = None) -> None:
         """Serve until ``stop()``; ``ready(self)`` once the port is bound (``self.port``)."""
         config = self.config
-        self._queue = asyncio.Queue(maxsize=config.max_queue)
+        self._queue = asyncio.PriorityQueue(maxsize=config.max_queue)
         self._stopped = asyncio.Event()
         if config.host not in LOCAL_HOSTS and config.api_key is None:
             log.warning(
