@@ -262,11 +262,15 @@ class PolicyBundle:
             sample = {self.inputs.state_key: state if single else state[i], "task": task}
             for key in self.inputs.camera_keys:
                 sample[key] = checked[key] if single else checked[key][i]
-            out = self.transform(sample)
-            out.pop("actions", None)
-            out.pop("action_dim_mask", None)
-            samples.append(out)
+            samples.append(self._model_inputs(sample))
         return _stack(samples)
+
+    def _model_inputs(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """The run's per-sample transform of one checked sample, without training targets."""
+        out = self.transform(sample)
+        out.pop("actions", None)
+        out.pop("action_dim_mask", None)
+        return out
 
     def postprocess(self, actions: np.ndarray, raw_state: np.ndarray) -> np.ndarray:
         """Normalised, padded model actions [B, H, A_pad] -> robot actions [B, H, A]."""
@@ -348,10 +352,7 @@ class PolicyBundle:
         an ``InputError`` (``ObservationError`` or the transform's own) naming the field."""
         self._check_keys(raw)
         checked, _ = self._check(raw, None, False, batched=False)
-        sample = {**checked, "task": raw["task"]}
-        inputs = self.transform(sample)
-        inputs.pop("actions", None)
-        inputs.pop("action_dim_mask", None)
+        inputs = self._model_inputs({**checked, "task": raw["task"]})
         state = checked[self.inputs.state_key]
         guide = self._guide(prefix, state) if guided or prefix is not None else None
         return PreparedRow(jax.tree.map(lambda x: np.asarray(x)[None], inputs), state, guide)

@@ -27,6 +27,7 @@ class ConnectionTable:
         self.cap = cap
         self._silent_since: dict[Hashable, float] = {}
         self._busy: set[Hashable] = set()
+        self._answered: dict[Hashable, int] = {}
         self.evicted = 0
 
     def __len__(self) -> int:
@@ -50,14 +51,21 @@ class ConnectionTable:
         if connection in self._silent_since:
             self._busy.add(connection)
 
-    def request_finished(self, connection: Hashable) -> None:
+    def request_finished(self, connection: Hashable, *, answered: bool = False) -> None:
+        """The request is done; ``answered``: with actions (not a refusal)."""
         self._busy.discard(connection)
         if connection in self._silent_since:
             self._silent_since[connection] = time.monotonic()
+            self._answered[connection] = self._answered.get(connection, 0) + int(answered)
+
+    def answered(self, connection: Hashable) -> int:
+        """How many of the connection's requests were answered with actions."""
+        return self._answered.get(connection, 0)
 
     def closed(self, connection: Hashable) -> None:
         self._silent_since.pop(connection, None)
         self._busy.discard(connection)
+        self._answered.pop(connection, None)
 
 
 class ByteBudget:

@@ -48,7 +48,7 @@ import http
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,17 +57,15 @@ import websockets
 from websockets.asyncio.server import Request, Response, ServerConnection, serve
 from websockets.protocol import State
 
-from embodied_jax.bundle import ObservationError, PolicyBundle, PreparedRow, RtcPrefix, row_keys
+from embodied_jax.bundle import PolicyBundle, PreparedRow
 from embodied_jax.errors import InputError
 from embodied_jax.serve import wire
 from embodied_jax.serve.admission import ByteBudget, ConnectionTable
+from embodied_jax.serve.requests import RequestReader, error_text
 
 log = logging.getLogger(__name__)
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-MAX_ERROR_BYTES = 1024
-MAX_NESTING = 4  # openpi's nested observation dicts are two levels deep
-SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,43 +117,6 @@ def buckets(max_batch: int) -> tuple[int, ...]:
     return (*sizes, max_batch)
 
 
-def error_text(text: str) -> str:
-    """The text frame of a refusal: ``error: ...``, at most ``MAX_ERROR_BYTES`` of UTF-8."""
-    encoded = f"error: {text}".encode()
-    if len(encoded) <= MAX_ERROR_BYTES:
-        return encoded.decode()
-    return encoded[: MAX_ERROR_BYTES - 3].decode(errors="ignore") + "..."
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def canonical_observation(message: Mapping[str, Any]) -> dict[str, Any]:
-    """The observation in the bundle's keys: nested dicts flattened with ".", "/" read as ".",
-    ``prompt`` as ``task``."""
-    # Iterative, not a recursive closure: a closure that refers to itself is a reference cycle
-    # that would keep every request's arrays alive until the garbage collector runs.
-    flat: dict[str, Any] = {}
-    pending = [(message, "", 1)]
-    while pending:
-        node, prefix, depth = pending.pop()
-        if depth > MAX_NESTING:
-            raise ObservationError(f"{prefix.rstrip('.')}: observation maps nest deeper than {MAX_NESTING} levels")
-        for key, value in node.items():
-            if not isinstance(key, str):
-                raise ObservationError(f"observation keys must be strings, got {type(key).__name__} {_short(key)}")
-            name = prefix + key.replace("/", ".")
-            if isinstance(value, Mapping):
-                pending.append((value, name + ".", depth + 1))
-            else:
-                flat[name] = value
-    if "prompt" in flat and "task" not in flat:
-        flat["task"] = flat.pop("prompt")
-    return flat
-
-
 @dataclasses.dataclass(order=True)
 class _Request:
     # Queue order: requests of connections already answered before (robots in their closed loop)
@@ -190,9 +151,8 @@ class PolicyServer:
             "step": int(bundle.step),
             "rtc": config.rtc,
         }
-        self._rng = jax.random.key(config.seed)
+        self.reader = RequestReader(bundle, rtc=config.rtc, max_task_chars=config.max_task_chars, seed=config.seed)
         self._queue: asyncio.PriorityQueue[_Request] | None = None
-        self._answered: dict[ServerConnection, int] = {}  # answers sent per open connection
         self._seq = 0
         # Inference and preparation each own one thread: a slow request's preparation never
         # holds up a batch being sampled, and neither runs on the event loop.
@@ -295,59 +255,16 @@ class PolicyServer:
                     r.future.set_result(answer)
 
     # ------------------------------------------------------------------ one request
-    def _request_key(self, observation: dict[str, Any]) -> jax.Array:
-        seed = observation.pop("seed", None)
-        if seed is None:
-            self._rng, key = jax.random.split(self._rng)
-            return key
-        if isinstance(seed, (bool, np.bool_, float)) or not isinstance(seed, (int, np.integer)):
-            raise ObservationError(f"seed: expected an integer, got {type(seed).__name__} {_short(seed)}")
-        lo, hi = SEED_RANGE
-        if not lo <= int(seed) <= hi:
-            raise ObservationError(f"seed: expected an integer in [-2**63, 2**63 - 1], got {_short(int(seed))}")
-        return row_keys(jax.random.key(int(seed)), 1)[0]  # what predict(observation, rng=key(seed)) uses
-
-    def _prefix(self, observation: dict[str, Any]) -> RtcPrefix | None:
-        actions, delay = observation.pop("prefix_actions", None), observation.pop("inference_delay", None)
-        if actions is None and delay is None:
-            return None
-        if not self.config.rtc:
-            raise ObservationError("prefix_actions/inference_delay: this server was started without --rtc")
-        if actions is None:
-            raise ObservationError("inference_delay: given without prefix_actions")
-        if isinstance(delay, (bool, np.bool_, float)) or not isinstance(delay or 0, (int, np.integer)):
-            raise ObservationError(f"inference_delay: expected an integer, got {_short(delay)}")
-        if not isinstance(actions, np.ndarray) or actions.dtype.kind != "f":
-            raise ObservationError("prefix_actions: expected a float32 array [P, A]")
-        prefix = RtcPrefix(actions, int(delay or 0))
-        prefix.check(*self.bundle.action_shape)
-        return prefix
-
     def _prepare_or_refuse(self, message: bytes) -> tuple[PreparedRow, jax.Array] | str:
-        """``_prepare``'s result, or the refusal's text. Refusals stay in this thread as text: an
+        """``RequestReader.read``'s result, or the refusal's text. Refusals stay in this thread as text: an
         exception carried back would keep the request's decoded arrays alive in its traceback
         until the garbage collector found the cycle."""
         try:
-            return self._prepare(message)
+            return self.reader.read(message)
         except InputError as e:
             return str(e)
         except Exception:
             return self._incident("this request could not be prepared")
-
-    def _prepare(self, message: bytes) -> tuple[PreparedRow, jax.Array]:
-        """Decode, check and transform one request (in the preparation thread)."""
-        decoded = wire.unpackb(message)
-        if not isinstance(decoded, Mapping):
-            raise ObservationError(f"expected one observation (a map of keys to values), got {type(decoded).__name__}")
-        observation = canonical_observation(decoded)
-        task = observation.get("task")
-        if isinstance(task, str) and len(task) > self.config.max_task_chars:
-            raise ObservationError(
-                f"task: {len(task)} characters, more than the {self.config.max_task_chars} accepted (--max-task-chars)"
-            )
-        key = self._request_key(observation)
-        prefix = self._prefix(observation)
-        return self.bundle.prepare_row(observation, prefix, guided=self.config.rtc), key
 
     async def _answer(self, connection: ServerConnection, message: bytes | str) -> bytes | str | None:
         """The reply to one message: packed actions, an error text, or None (the client left)."""
@@ -369,7 +286,7 @@ class PolicyServer:
             future = loop.create_future()
             try:
                 self._seq += 1
-                newcomer = self._answered.get(connection, 0) == 0
+                newcomer = self.connections.answered(connection) == 0
                 self._queue.put_nowait(_Request(newcomer, self._seq, row, key, future, time.perf_counter()))
             except asyncio.QueueFull:
                 return error_text(
@@ -397,23 +314,20 @@ class PolicyServer:
             while True:
                 message = await connection.recv()
                 self.connections.request_started(connection)
+                answered = False
                 try:
                     reply = await self._answer(connection, message)
                     del message  # an idle connection holds no message
                     if reply is None:
                         return
-                    if isinstance(reply, str):
-                        self.refused += 1
-                    else:
-                        self.served += 1
-                        self._answered[connection] = self._answered.get(connection, 0) + 1
+                    answered = not isinstance(reply, str)
+                    self.served += answered
+                    self.refused += not answered
                     await self._send(connection, reply)
                 finally:
-                    self.connections.request_finished(connection)
+                    self.connections.request_finished(connection, answered=answered)
         except websockets.ConnectionClosed:
             pass  # the client left; its pending answer (if any) is dropped
-        finally:
-            self._answered.pop(connection, None)
 
     async def _send(self, connection: ServerConnection, reply: bytes | str) -> None:
         """Send, or drop a client that has not read its answers for ``send_timeout_s``."""
