@@ -53,7 +53,10 @@ def observation(bundle, demo_run):
 @contextlib.contextmanager
 def running(bundle, **overrides):
     """A server on a free port in a thread of this process, stopped on exit."""
-    settings = dict(port=0, max_batch=2, batch_timeout_ms=200.0, max_message_mb=0.25, max_inflight_mb=4.0)
+    # No refusal back-off unless a test asks for it: most tests send one bad request after another.
+    settings = dict(
+        port=0, max_batch=2, batch_timeout_ms=200.0, max_message_mb=0.25, max_inflight_mb=4.0, refusal_backoff_s=0.0
+    )
     server = PolicyServer(bundle, ServeConfig(**{**settings, **overrides}))
     started = threading.Event()
     loop = asyncio.new_event_loop()
@@ -390,6 +393,45 @@ def test_a_client_that_never_reads_is_disconnected(bundle, observation):
         assert dropped
         assert server.refused > 0
         assert _infer_once(server, observation)["actions"].shape == bundle.action_shape
+
+
+def test_a_host_refused_again_and_again_is_read_slowly_and_its_answered_robots_are_not(bundle, observation):
+    with running(bundle, refusal_backoff_s=1.0) as server, _client(server) as robot:
+        assert robot.infer({**observation, "seed": 0})["actions"].shape == bundle.action_shape
+        with connect(f"ws://127.0.0.1:{server.port}", compression=None, close_timeout=0.1) as attacker:
+            attacker.recv(timeout=5)  # metadata
+            for _ in range(40):
+                attacker.send("not a binary message")  # refused, the request's own fault, never read back
+            time.sleep(1.0)
+            # Back-off 0, 0, 50, 100, 200, 400, 800 ms: at most 6 of the 40 are read within the second.
+            assert 2 <= server.refused <= 6
+            assert server.backoff.delay("127.0.0.1") > 0
+            # A robot of the same host that is answered never waits: its requests go on at once.
+            for seed in range(3):
+                assert robot.infer({**observation, "seed": seed})["actions"].shape == bundle.action_shape
+            assert server.refused <= 8  # and the attacker is still read slowly
+
+
+def test_refusal_backoff_doubles_is_capped_and_forgotten(monkeypatch):
+    from embodied_jax.serve import admission
+
+    now = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: now[0])
+    backoff = admission.RefusalBackoff(max_s=0.3, base_s=0.05, forget_s=10.0, max_hosts=2)
+    delays = []
+    for _ in range(6):
+        delays.append(backoff.delay("a"))
+        backoff.refused("a")
+    assert delays == [0.0, 0.0, 0.05, 0.1, 0.2, 0.3]  # the first refusal costs nothing
+    assert backoff.delay("b") == 0.0  # another host is not affected
+    now[0] += 10.0
+    assert backoff.delay("a") == 0.0  # forgotten after forget_s without a refusal
+    for host in ("a", "a", "b", "c"):  # at most max_hosts remembered: the one refused least recently goes
+        backoff.refused(host)
+    assert backoff.delay("a") == 0.0 and backoff._strikes("c", now[0]) == 1
+    assert admission.RefusalBackoff(max_s=0.0).delay("a") == 0.0
+    with pytest.raises(ValueError, match="max_s"):
+        admission.RefusalBackoff(max_s=-1.0)
 
 
 def _closed(sock, timeout):

@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=8, help="observations per call (buckets 1, 2, 4, ...)")
     parser.add_argument("--batch-timeout-ms", type=float, default=5.0, help="wait for more requests this long")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"default: ${API_KEY_ENV}")
-    parser.add_argument("--max-message-mb", type=float, default=32.0)
+    parser.add_argument("--max-message-mb", type=float, default=8.0)
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--no-ema", action="store_true", help="serve the trained parameters, not their EMA")
     parser.add_argument("--seed", type=int, default=0, help="of the noise of requests without a seed")
@@ -62,6 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     limits.add_argument("--max-inflight-mb", type=float, default=128.0, help="request bytes in flight, all clients")
     limits.add_argument("--handshake-timeout-s", type=float, default=5.0)
     limits.add_argument("--send-timeout-s", type=float, default=10.0, help="drop a client not reading its answers")
+    limits.add_argument(
+        "--refusal-backoff-s",
+        type=float,
+        default=2.0,
+        help="most a host refused again and again waits before it is read (from 50 ms, doubling; 0: off)",
+    )
     limits.add_argument(
         "--allow-origin", action="append", default=[], help="a browser Origin to accept (repeatable; default none)"
     )
@@ -93,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             handshake_timeout_s=args.handshake_timeout_s,
             send_timeout_s=args.send_timeout_s,
             allow_origins=tuple(args.allow_origin),
+            refusal_backoff_s=args.refusal_backoff_s,
         )
         ensure_file_descriptors(config.max_connections)
         if args.step is None and not args.no_ema:

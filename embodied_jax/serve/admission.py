@@ -9,10 +9,18 @@ idle between episodes are only closed when the table is full and they are the mo
 
 ``ByteBudget`` bounds the bytes of requests being decoded, queued, sampled or answered at once,
 over all clients; a request that does not fit is refused at once ("server busy").
+
+``RefusalBackoff`` makes a host that keeps sending requests it is refused for (malformed,
+oversized, failing the checks; not "server busy") wait before it is read again: nothing for its
+first refusal, then ``base_s`` doubling per refusal up to ``max_s``, forgotten after ``forget_s``
+without one. The server stops reading the connection while it waits, so the client's own sends
+block instead of the server's CPU decoding them; a host that reconnects keeps its count. Hosts
+that are never refused (robots beside an attacker on the same machine) never wait.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Hashable
@@ -90,3 +98,31 @@ class ByteBudget:
     def release(self, size: int) -> None:
         with self._lock:
             self.used = max(0, self.used - size)
+
+
+class RefusalBackoff:
+    """How long each host waits before its next request is read, by its recent refusals."""
+
+    def __init__(self, max_s: float, base_s: float = 0.05, forget_s: float = 60.0, max_hosts: int = 4096):
+        if max_s < 0 or base_s <= 0 or forget_s <= 0 or max_hosts < 1:
+            raise ValueError(f"refusal backoff: max_s={max_s} >= 0, base_s={base_s}, forget_s={forget_s} > 0")
+        self.max_s, self.base_s, self.forget_s, self.max_hosts = max_s, base_s, forget_s, max_hosts
+        self._hosts: collections.OrderedDict[Hashable, tuple[int, float]] = collections.OrderedDict()
+
+    def _strikes(self, host: Hashable, now: float) -> int:
+        strikes, last = self._hosts.get(host, (0, now))
+        return strikes if now - last < self.forget_s else 0
+
+    def refused(self, host: Hashable) -> None:
+        now = time.monotonic()
+        self._hosts[host] = (self._strikes(host, now) + 1, now)
+        self._hosts.move_to_end(host)
+        while len(self._hosts) > self.max_hosts:  # the host refused least recently is forgotten
+            self._hosts.popitem(last=False)
+
+    def delay(self, host: Hashable) -> float:
+        """Seconds ``host`` waits before its next request is read (0: none)."""
+        strikes = self._strikes(host, time.monotonic())
+        if strikes < 2 or self.max_s == 0:
+            return 0.0
+        return min(self.base_s * 2.0 ** min(strikes - 2, 30), self.max_s)

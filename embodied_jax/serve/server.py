@@ -33,8 +33,10 @@ client controls is bounded (``ServeConfig``): message size, task length, request
 inference (beyond ``max_queue`` a "server busy" refusal; connections already answered go first, so
 a flood of new connections waits behind robots in their closed loop), bytes in flight over all clients
 (``max_inflight_mb``, each admitted message counted twice: it and its decoded arrays), the
-write buffer, the handshake time and the connections (``admission.py``). A client that
-disconnects takes its queued request with it. Browser origins are refused unless allowed
+write buffer, the handshake time and the connections (``admission.py``); a host that keeps
+sending requests it is refused for is read again only after a back-off (``refusal_backoff_s``),
+so its sends block rather than the server decoding them. A client that disconnects takes its
+queued request with it, and a request whose client has left is not prepared. Browser origins are refused unless allowed
 (``allow_origins``); the API key is compared in constant time.
 """
 
@@ -60,7 +62,7 @@ from websockets.protocol import State
 from embodied_jax.bundle import PolicyBundle, PreparedRow
 from embodied_jax.errors import InputError
 from embodied_jax.serve import wire
-from embodied_jax.serve.admission import ByteBudget, ConnectionTable
+from embodied_jax.serve.admission import ByteBudget, ConnectionTable, RefusalBackoff
 from embodied_jax.serve.requests import RequestReader, error_text
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ class ServeConfig:
     max_batch: int = 8
     batch_timeout_ms: float = 5.0
     api_key: str | None = None
-    max_message_mb: float = 32.0
+    max_message_mb: float = 8.0  # robot observations are well under it; each message costs the event loop a copy
     seed: int = 0  # of the key requests without a ``seed`` draw their noise from
     rtc: bool = False  # real-time chunking: requests may carry ``prefix_actions`` and ``inference_delay``
     max_task_chars: int = 1000
@@ -86,6 +88,7 @@ class ServeConfig:
     send_timeout_s: float = 10.0  # a client that does not read its answer for this long is disconnected
     write_limit_kb: int = 64  # websockets' write buffer per connection
     allow_origins: tuple[str, ...] = ()  # browser origins accepted (none by default)
+    refusal_backoff_s: float = 2.0  # most a host refused again and again waits to be read (0: never waits)
 
     def __post_init__(self):
         for name in ("max_batch", "max_task_chars", "max_queue", "max_connections", "write_limit_kb"):
@@ -94,6 +97,8 @@ class ServeConfig:
         for name in ("max_message_mb", "max_inflight_mb", "handshake_timeout_s", "send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServeConfig.{name}={getattr(self, name)} must be > 0")
+        if not self.refusal_backoff_s >= 0:
+            raise ValueError(f"ServeConfig.refusal_backoff_s={self.refusal_backoff_s} must be >= 0")
         if 2 * self.message_limit > self.inflight_limit:
             raise ValueError(
                 f"ServeConfig.max_inflight_mb={self.max_inflight_mb} must hold two messages of "
@@ -130,6 +135,12 @@ class _Request:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Refusal:
+    text: str
+    client_fault: bool  # the request's own fault (counts towards the host's back-off), not "server busy"
+
+
+@dataclasses.dataclass(frozen=True)
 class _Answer:
     actions: np.ndarray | None = None
     timing: dict[str, float] | None = None
@@ -161,6 +172,7 @@ class PolicyServer:
         self._stopped: asyncio.Event | None = None
         self.connections = ConnectionTable(config.max_connections)
         self.budget = ByteBudget(config.inflight_limit)
+        self.backoff = RefusalBackoff(config.refusal_backoff_s)
         self.port: int | None = None
         self.served = 0
         self.refused = 0
@@ -255,33 +267,46 @@ class PolicyServer:
                     r.future.set_result(answer)
 
     # ------------------------------------------------------------------ one request
-    def _prepare_or_refuse(self, message: bytes) -> tuple[PreparedRow, jax.Array] | str:
-        """``RequestReader.read``'s result, or the refusal's text. Refusals stay in this thread as text: an
-        exception carried back would keep the request's decoded arrays alive in its traceback
-        until the garbage collector found the cycle."""
+    def _prepare_or_refuse(
+        self, message: bytes, connection: ServerConnection
+    ) -> tuple[PreparedRow, jax.Array] | _Refusal | None:
+        """``RequestReader.read``'s result, a refusal, or None (the client left while the request
+        waited). Refusals stay in this thread as text: an exception carried back would keep the
+        request's decoded arrays alive in its traceback until the garbage collector found the cycle."""
+        if connection.protocol.state is not State.OPEN:
+            return None
         try:
             return self.reader.read(message)
         except InputError as e:
-            return str(e)
+            return _Refusal(str(e), client_fault=True)
         except Exception:
-            return self._incident("this request could not be prepared")
+            return _Refusal(self._incident("this request could not be prepared"), client_fault=False)
 
-    async def _answer(self, connection: ServerConnection, message: bytes | str) -> bytes | str | None:
-        """The reply to one message: packed actions, an error text, or None (the client left)."""
+    async def _answer(self, connection: ServerConnection, message: bytes | str) -> bytes | _Refusal | None:
+        """The reply to one message: packed actions, a refusal, or None (the client left)."""
         if isinstance(message, str):
-            return error_text("expected a binary msgpack-numpy message, got a text frame")
+            return _Refusal("expected a binary msgpack-numpy message, got a text frame", client_fault=True)
         limit = self.config.message_limit
         if len(message) > limit:
-            return error_text(f"message of {len(message)} bytes exceeds the {limit}-byte limit (--max-message-mb)")
+            return _Refusal(
+                f"message of {len(message)} bytes exceeds the {limit}-byte limit (--max-message-mb)", client_fault=True
+            )
+        if connection.protocol.state is not State.OPEN:
+            self.cancelled += 1  # the client sent and left (a close frame followed its request)
+            return None
         cost = 2 * len(message)
         if not self.budget.try_acquire(cost):
-            return error_text("server busy: too many request bytes in flight (--max-inflight-mb); retry later")
+            busy = "server busy: too many request bytes in flight (--max-inflight-mb); retry later"
+            return _Refusal(busy, client_fault=False)
         loop = asyncio.get_running_loop()
         try:
-            prepared = await loop.run_in_executor(self._prepare_pool, self._prepare_or_refuse, message)
+            prepared = await loop.run_in_executor(self._prepare_pool, self._prepare_or_refuse, message, connection)
             del message
-            if isinstance(prepared, str):
-                return error_text(prepared)
+            if prepared is None:
+                self.cancelled += 1
+                return None
+            if isinstance(prepared, _Refusal):
+                return prepared
             row, key = prepared
             future = loop.create_future()
             try:
@@ -289,9 +314,8 @@ class PolicyServer:
                 newcomer = self.connections.answered(connection) == 0
                 self._queue.put_nowait(_Request(newcomer, self._seq, row, key, future, time.perf_counter()))
             except asyncio.QueueFull:
-                return error_text(
-                    f"server busy: {self.config.max_queue} requests wait for inference (--max-queue); retry later"
-                )
+                busy = f"server busy: {self.config.max_queue} requests wait for inference (--max-queue); retry later"
+                return _Refusal(busy, client_fault=False)
             closed = asyncio.ensure_future(connection.wait_closed())
             try:
                 await asyncio.wait({future, closed}, return_when=asyncio.FIRST_COMPLETED)
@@ -302,7 +326,7 @@ class PolicyServer:
                 return None
             answer: _Answer = future.result()
             if answer.error is not None:
-                return error_text(answer.error)
+                return _Refusal(answer.error, client_fault=False)
             return wire.packb({"actions": answer.actions, "server_timing": answer.timing})
         finally:
             self.budget.release(cost)
@@ -311,7 +335,10 @@ class PolicyServer:
     async def _handler(self, connection: ServerConnection) -> None:
         try:
             await self._send(connection, wire.packb(self.metadata))
+            back_off = True  # a new connection of a host refused again and again waits before its first request
             while True:
+                if back_off:
+                    await self._back_off(connection)
                 message = await connection.recv()
                 self.connections.request_started(connection)
                 answered = False
@@ -320,14 +347,37 @@ class PolicyServer:
                     del message  # an idle connection holds no message
                     if reply is None:
                         return
-                    answered = not isinstance(reply, str)
+                    answered = not isinstance(reply, _Refusal)
+                    back_off = not answered and reply.client_fault
                     self.served += answered
                     self.refused += not answered
-                    await self._send(connection, reply)
+                    if answered:
+                        await self._send(connection, reply)
+                    else:
+                        if back_off:
+                            self.backoff.refused(connection.peer_host)
+                        await self._send(connection, error_text(reply.text))
                 finally:
                     self.connections.request_finished(connection, answered=answered)
         except websockets.ConnectionClosed:
             pass  # the client left; its pending answer (if any) is dropped
+
+    async def _back_off(self, connection: ServerConnection) -> None:
+        """Wait out the host's refusal back-off (after this connection's own refusal, or before a new
+        connection's first request) with the connection's reading paused: what it sends meanwhile
+        stays in its socket, and its sends block once that is full. Connections that are answered
+        never wait, whatever else their host sends."""
+        delay = self.backoff.delay(connection.peer_host)
+        if delay <= 0:
+            return
+        transport = connection.transport
+        transport.pause_reading()
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            # websockets pauses reading too when its queue of received messages is full; leave that to it
+            if not transport.is_closing() and not connection.recv_messages.paused:
+                transport.resume_reading()
 
     async def _send(self, connection: ServerConnection, reply: bytes | str) -> None:
         """Send, or drop a client that has not read its answers for ``send_timeout_s``."""
@@ -364,13 +414,17 @@ class PolicyServer:
             connection.transport.abort()
 
     def _connection_class(self) -> type[ServerConnection]:
-        table, evict = self.connections, self._evict
+        table, evict, backoff = self.connections, self._evict, self.backoff
 
         class TrackedConnection(ServerConnection):
-            """Counted from TCP accept to close (``admission.ConnectionTable``)."""
+            """Counted from TCP accept to close (``admission.ConnectionTable``); knows its peer's host."""
+
+            peer_host: str | None = None
 
             def connection_made(self, transport) -> None:
                 super().connection_made(transport)
+                peer = transport.get_extra_info("peername")
+                self.peer_host = peer[0] if isinstance(peer, tuple) and peer else None
                 victim = table.opened(self)
                 if victim is not None:
                     evict(victim)
@@ -383,6 +437,8 @@ class PolicyServer:
                 # (tens of MiB) until the garbage collector ran. Drop the bytes and the traceback now.
                 protocol = self.protocol
                 if getattr(protocol, "parser_exc", None) is not None:
+                    if isinstance(protocol.parser_exc, websockets.PayloadTooBig):
+                        backoff.refused(self.peer_host)  # closed with 1009: a refusal of the request's own making
                     protocol.parser_exc.__traceback__ = None
                 buffer = getattr(getattr(protocol, "reader", None), "buffer", None)
                 if isinstance(buffer, bytearray):

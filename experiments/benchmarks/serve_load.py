@@ -277,8 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--unloaded-seconds", type=float, default=15.0)
     parser.add_argument("--think-ms", type=float, default=50.0, help="honest robots execute their actions this long")
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--max-message-mb", type=float, default=32.0)
+    parser.add_argument("--max-message-mb", type=float, default=8.0)
     parser.add_argument("--max-connections", type=int, default=64)
+    parser.add_argument("--refusal-backoff-s", type=float, default=2.0, help="0: hosts refused again are read at once")
     args = parser.parse_args(argv)
     if args.honest < 1 or args.hostile < 0 or args.seconds <= 0 or args.unloaded_seconds <= 0:
         parser.error("--honest >= 1, --hostile >= 0, --seconds and --unloaded-seconds > 0")
@@ -290,7 +291,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     bundle = load_policy(args.run)
     running = RunningServer(
-        bundle, args.max_batch, max_message_mb=args.max_message_mb, max_connections=args.max_connections
+        bundle,
+        args.max_batch,
+        max_message_mb=args.max_message_mb,
+        max_connections=args.max_connections,
+        refusal_backoff_s=args.refusal_backoff_s,
     )
     server = running.server
     gc.freeze()  # as the server command does once its policy is loaded
