@@ -264,6 +264,13 @@ def _flip_one_byte(path):
     path.write_bytes(bytes(data))
 
 
+def _flip_one_bit(path):
+    """One bit in the middle of the chunk file: the chunk still decompresses, into other values."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def _invert(path):
     path.write_bytes(bytes(b ^ 0xFF for b in path.read_bytes()))
 
@@ -287,6 +294,8 @@ DAMAGE = {
     "no commit marker": (lambda d: (d / "commit_success.txt").unlink(), "is missing"),
     "truncated array chunks": (lambda d: _truncate(_largest_chunk_file(d)), "OUT_OF_RANGE"),
     "byte-flipped array chunks": (lambda d: _invert(_largest_chunk_file(d)), "FAILED_PRECONDITION"),
+    "one bit flipped in array chunks": (lambda d: _flip_one_bit(_largest_chunk_file(d)), "differ from the checksums"),
+    "garbage fingerprint JSON": (lambda d: (d / "fingerprint" / "metadata").write_text("{not"), "not valid JSON"),
     "byte-flipped array index": (lambda d: _flip_one_byte(_btree_node(d)), "DATA_LOSS"),
     "byte-flipped manifest": (lambda d: _flip_one_byte(d / "state" / "manifest.ocdbt"), "DATA_LOSS"),
     "missing array chunks": (lambda d: _largest_chunk_file(d).unlink(), "FAILED_PRECONDITION"),

@@ -1,6 +1,7 @@
 """Orbax checkpoints: train state, data-iterator state, normalisation stats, config and assets.
 
-One step directory holds five items: ``state`` (the sharded train state), ``data``
+One step directory holds six items: ``state`` (the sharded train state), ``fingerprint`` (a
+checksum of each of its arrays, compared after every restore: ``fingerprint.py``), ``data``
 (one JSON file per process with that process's iterator state), ``norm_stats`` and
 ``config`` (JSON), and ``assets`` (copies of the files the model config names, such as the
 tokenizer: ``embodied_jax.assets``), so a step is complete wherever it is moved.
@@ -29,6 +30,7 @@ from jax.experimental import multihost_utils
 from embodied_jax.assets import copy_assets, read_assets
 from embodied_jax.data.iterator import IteratorStateMismatch
 from embodied_jax.errors import InputError
+from embodied_jax.train import fingerprint
 from embodied_jax.train.config import CheckpointConfig
 from embodied_jax.train.optimizer import path_str
 from embodied_jax.train.state import TrainState
@@ -80,15 +82,16 @@ def damage(error: BaseException, step_dir: pathlib.Path) -> str | None:
     """Why ``error``, raised while restoring ``step_dir``, proves the step's own files damaged; None
     when it does not (it is then not the step's fault, and the step must stay where it is).
 
-    Damage is: JSON that does not decode, a file of the step that is missing, or a TensorStore
-    status for bad bytes (``_DAMAGE_STATUSES``) about a file of the step and without an OS errno.
+    Damage is: JSON that does not decode, a file of the step that is missing, a TensorStore
+    status for bad bytes (``_DAMAGE_STATUSES``) about a file of the step and without an OS errno,
+    or restored values that differ from the checksums saved with them.
     """
     cause = _unwrap(error)
     text = str(cause)
     inside = f"{step_dir}{os.sep}"
     if not step_dir.is_dir():  # gone meanwhile (moved, unmounted): nothing proven about its bytes
         own = False
-    elif isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError)):
+    elif isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError, fingerprint.FingerprintMismatch)):
         own = True
     elif isinstance(cause, FileNotFoundError):
         own = inside in str(cause.filename or text)
@@ -242,6 +245,7 @@ class Checkpointer:
                 "state": ocp.StandardCheckpointHandler(),
                 "data": IteratorStateHandler(),
                 "norm_stats": ocp.JsonCheckpointHandler(),
+                "fingerprint": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler(),
                 "assets": AssetsHandler(),
             },
@@ -264,7 +268,9 @@ class Checkpointer:
         assets: dict[str, pathlib.Path] | None = None,
         force: bool = False,
     ) -> bool:
-        items = {"state": ocp.args.StandardSave(_state_dict(state))}
+        values = _state_dict(state)
+        sums = {"algorithm": fingerprint.ALGORITHM, "leaves": fingerprint.fingerprint(values, path_str)}
+        items = {"state": ocp.args.StandardSave(values), "fingerprint": ocp.args.JsonSave(sums)}
         if assets:
             items["assets"] = AssetsSave(assets)
         if iterator is not None:
@@ -281,6 +287,8 @@ class Checkpointer:
 
         A state tree that differs from the saved one (another architecture, frozen set or
         optimizer) is a ``StateMismatchError`` naming the leaves, raised before anything is read.
+        Restored values that differ from the checksums saved with them are a
+        ``fingerprint.FingerprintMismatch`` (steps saved before checksums existed are not checked).
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -293,6 +301,8 @@ class Checkpointer:
         if iterator is not None:
             self.manager.restore(step, args=ocp.args.Composite(data=IteratorRestore(iterator)))
         values = dict(restored["state"])
+        if (self.step_directory(step) / "fingerprint" / "metadata").is_file():
+            fingerprint.verify(values, self.read_json(step, "fingerprint"), path_str, str(self.step_directory(step)))
         state = TrainState(**{k: values.get(k) for k in vars(abstract_state)})
         return state, dict(restored["norm_stats"] or {})
 
@@ -331,7 +341,13 @@ class Checkpointer:
         for marker in ("commit_success.txt", "_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt"):
             if not (root / marker).is_file():
                 return f"{marker} is missing"
-        for item in ("norm_stats/metadata", "config/metadata", "state/_METADATA", "_CHECKPOINT_METADATA"):
+        for item in (
+            "norm_stats/metadata",
+            "config/metadata",
+            "fingerprint/metadata",
+            "state/_METADATA",
+            "_CHECKPOINT_METADATA",
+        ):
             path = root / item
             if path.is_file():
                 try:
