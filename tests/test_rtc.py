@@ -200,3 +200,30 @@ def test_rtc_lowers_jerk_at_chunk_boundaries(family):
             jerks[name].append(boundary_jerk(previous, new))
     mean = {name: float(np.mean(v)) for name, v in jerks.items()}
     assert mean["rtc"] < 0.5 * mean["naive"] and mean["rtc"] < 0.5 * mean["prefix copied"], mean
+
+
+@pytest.mark.parametrize("name", ["pi05", "gr00t"])
+def test_both_families_sample_through_the_one_flow_sampler_with_a_trace(name):
+    from embodied_jax.nn import flow
+
+    config = tiny(name)
+    mesh = make_mesh(MeshConfig(data=-1), jax.devices()[:1])
+    model = random_model(config, mesh)
+    obs = {k: v for k, v in config.synthetic_batch(2, seed=0).items() if k not in ("actions", "action_mask")}
+    width = config.max_action_dim if name == "pi05" else config.action_dim
+    noise = smooth_noise(0, (2, HORIZON, width))
+
+    @nnx.jit
+    def both(model, obs, noise):
+        rng = jax.random.key(0)
+        return model.sample_actions(obs, rng, noise=noise), model.sample_actions(obs, rng, noise=noise, trace=True)
+
+    with mesh_context(mesh):
+        plain, traced = both(model, obs, noise)
+    assert isinstance(traced, flow.FlowTrace)
+    np.testing.assert_allclose(traced.actions, plain, rtol=1e-5, atol=1e-5)
+    steps = config.num_inference_steps
+    assert traced.states.shape == (steps + 1, 2, HORIZON, width) and traced.velocities.shape[0] == steps
+    np.testing.assert_array_equal(traced.states[0], noise)
+    dt = -1.0 / steps if name == "pi05" else 1.0 / steps  # π0.5 integrates from t=1 to 0, GR00T from 0 to 1
+    np.testing.assert_allclose(traced.states[1:], traced.states[:-1] + dt * traced.velocities, rtol=1e-5, atol=1e-5)

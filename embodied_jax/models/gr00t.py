@@ -50,9 +50,8 @@ from embodied_jax.models.gr00t_action_head import ActionHeadConfig, Gr00tActionH
 from embodied_jax.models.gr00t_layout import vl_layout
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
-from embodied_jax.nn import rtc
+from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.lora import LoRAConfig
-from embodied_jax.nn.traced import module_fori_loop
 from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
 PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
@@ -538,13 +537,15 @@ class Gr00tPolicy(nnx.Module):
         prefix_actions=None,
         prefix_weights=None,
         max_guidance=5.0,
+        trace=False,
     ):
-        """Actions [B, horizon, action_dim]: Euler from t=0 (noise) to t=1 (actions).
+        """Actions [B, horizon, action_dim]: Euler from t=0 (noise) to t=1 (actions) (``nn/flow.py``).
 
         Real-time chunking (``nn/rtc.py``): ``prefix_actions`` [B, horizon, action_dim] (normalised, usually the
         previous chunk shifted by the executed steps) guide the chunk towards them with ``prefix_weights``
         [horizon] or [B, horizon] and maximum guidance weight ``max_guidance``, through the clean estimate
-        x_t + (1 - t)·v; steps of weight 1 are returned as the prefix. None: plain sampling."""
+        x_t + (1 - t)·v; steps of weight 1 are returned as the prefix. None: plain sampling. ``trace``: a
+        ``flow.FlowTrace`` with every step's state and velocity."""
         config = self.config
         k = int(num_steps or config.num_inference_steps)
         b = jnp.asarray(observation["embodiment_id"]).shape[0]
@@ -556,8 +557,9 @@ class Gr00tPolicy(nnx.Module):
         # upstream: int(k / K * num_timestep_buckets) in Python floats
         buckets = jnp.asarray(np.array([int(i / k * config.num_timestep_buckets) for i in range(k)], np.int32))
         dt = jnp.float32(1.0 / k)
+        schedule = flow.FlowSchedule(times=jnp.arange(k, dtype=jnp.float32) * dt, dt=dt, clean_time=1.0)
 
-        def velocity(head, x, i):
+        def velocity(head, x, i):  # head: the action head, rebuilt inside the loop (nn/traced.py)
             return head.velocity(
                 state_features,
                 x,
@@ -569,20 +571,12 @@ class Gr00tPolicy(nnx.Module):
                 context_gather=layout["context_gather"],
             )
 
-        def step(i, head, x):  # head: the action head, rebuilt inside the loop (nn/traced.py)
-            return x + dt * velocity(head, x, i)
-
+        guidance = None
         if prefix_actions is None:
             rtc.check_unguided(prefix_weights)
-            return module_fori_loop(self.action_head, k, step, x)
-        y, w = rtc.guidance_inputs(
-            prefix_actions, prefix_weights, batch=b, horizon=config.action_horizon, width=config.action_dim
-        )
-
-        def guided_step(i, head, x):
-            v = rtc.guided_velocity(
-                head, functools.partial(velocity, i=i), x, i * dt, y, w, clean_time=1.0, max_guidance=max_guidance
+        else:
+            y, w = rtc.guidance_inputs(
+                prefix_actions, prefix_weights, batch=b, horizon=config.action_horizon, width=config.action_dim
             )
-            return x + dt * v
-
-        return rtc.inpaint_frozen(module_fori_loop(self.action_head, k, guided_step, x), y, w)
+            guidance = flow.Guidance(y, w, max_guidance)
+        return flow.sample(self.action_head, velocity, x, schedule, guidance=guidance, trace=trace)

@@ -46,13 +46,12 @@ from embodied_jax.assets import AssetError
 from embodied_jax.config_registry import register
 from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
-from embodied_jax.nn import rtc
+from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.attention import mask_positions
 from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import fill_image_tokens, sincos_embedding
 from embodied_jax.nn.lora import LORA_FREEZE_REGEX, LoRAConfig
-from embodied_jax.nn.traced import module_fori_loop
 from embodied_jax.parallel.partition import shard_tokens
 from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
@@ -507,14 +506,17 @@ class Pi05Policy(nnx.Module):
         prefix_actions=None,
         prefix_weights=None,
         max_guidance=5.0,
+        trace=False,
     ):
-        """Actions [B, horizon, action_dim] for an unpacked observation: Euler from t=1 to t=0.
+        """Actions [B, horizon, action_dim] for an unpacked observation: Euler from t=1 to t=0 (``nn/flow.py``).
 
         Real-time chunking (``nn/rtc.py``): ``prefix_actions`` [B, horizon, A] (normalised, A <= max_action_dim,
         usually the previous chunk's ``action_dim`` actions shifted by the executed steps) guide the chunk
         towards them with ``prefix_weights`` [horizon] or [B, horizon] and maximum guidance weight
         ``max_guidance``, through the clean estimate x_t - t·v; dims from ``action_dim`` on are not guided,
-        steps of weight 1 are returned as the prefix. None: plain sampling."""
+        steps of weight 1 are returned as the prefix. None: plain sampling. ``trace``: a ``flow.FlowTrace``
+        whose ``actions`` are these and whose states and velocities are [num_steps (+1), B, horizon,
+        max_action_dim]."""
         config = self.config
         num_steps = int(num_steps or config.num_inference_steps)
         inputs = self._inputs({k: v for k, v in observation.items() if k != "actions"})
@@ -525,38 +527,28 @@ class Pi05Policy(nnx.Module):
         cache = self.prefix_cache(inputs)
         dt = -1.0 / num_steps
         # Step times as upstream computes them: in float64, then rounded once to float32.
-        times = jnp.asarray((1.0 + np.arange(num_steps) * dt).astype(np.float32))
+        schedule = flow.FlowSchedule(
+            times=jnp.asarray((1.0 + np.arange(num_steps) * dt).astype(np.float32)), dt=dt, clean_time=0.0
+        )
 
-        def step(i, policy, x):  # policy: this module, rebuilt inside the loop (nn/traced.py)
-            t = jnp.full((b, 1), times[i], jnp.float32)
-            return x + dt * policy.suffix_velocity(cache, x, t)
+        def velocity(policy, x, i):  # policy: this module, rebuilt inside the loop (nn/traced.py)
+            return policy.suffix_velocity(cache, x, jnp.full((b, 1), schedule.times[i], jnp.float32))
 
+        guidance = None
         if prefix_actions is None:
             rtc.check_unguided(prefix_weights)
-            return module_fori_loop(self, num_steps, step, x)[:, 0, :, : config.action_dim]
-        y, w = rtc.guidance_inputs(
-            prefix_actions,
-            prefix_weights,
-            batch=b,
-            horizon=config.action_horizon,
-            width=config.max_action_dim,
-            real_width=config.action_dim,
-        )
-        y, w = y.reshape(shape), w.reshape(shape)
-
-        def guided_step(i, policy, x):
-            t = jnp.full((b, 1), times[i], jnp.float32)
-            v = rtc.guided_velocity(
-                policy,
-                lambda policy, x: policy.suffix_velocity(cache, x, t),
-                x,
-                times[i],
-                y,
-                w,
-                clean_time=0.0,
-                max_guidance=max_guidance,
+        else:
+            y, w = rtc.guidance_inputs(
+                prefix_actions,
+                prefix_weights,
+                batch=b,
+                horizon=config.action_horizon,
+                width=config.max_action_dim,
+                real_width=config.action_dim,
             )
-            return x + dt * v
-
-        x = rtc.inpaint_frozen(module_fori_loop(self, num_steps, guided_step, x), y, w)
-        return x[:, 0, :, : config.action_dim]
+            guidance = flow.Guidance(y.reshape(shape), w.reshape(shape), max_guidance)
+        out = flow.sample(self, velocity, x, schedule, guidance=guidance, trace=trace)
+        if trace:
+            actions = out.actions[:, 0, :, : config.action_dim]
+            return flow.FlowTrace(actions, out.states[:, :, 0], out.velocities[:, :, 0])
+        return out[:, 0, :, : config.action_dim]

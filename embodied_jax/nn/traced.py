@@ -10,6 +10,8 @@ objects of that trace (``merge_in_trace``). Mutations made inside are not carrie
 - ``merge_in_trace(graphdef, state)``: the module, rebuilt in the current trace.
 - ``module_fori_loop(module, num_steps, body, init)``: ``carry = body(i, module, carry)`` for
   ``i`` in ``0 .. num_steps - 1`` under ``lax.fori_loop``, the module rebuilt in the body.
+- ``module_scan(module, num_steps, body, init)``: the same under ``lax.scan``, where ``body``
+  returns ``(carry, out)`` and each step's ``out`` is stacked.
 - ``module_vjp(module, fn, *primals)``: ``jax.vjp`` of ``fn(module, *primals)`` with respect to
   the primals only, the module rebuilt inside the differentiated trace.
 
@@ -47,6 +49,19 @@ def module_fori_loop(
         return body(i, merge_in_trace(graphdef, state), carry)
 
     return jax.lax.fori_loop(0, num_steps, step, init)
+
+
+def module_scan(
+    module: nnx.Module, num_steps: int, body: Callable[[Any, Any, Carry], tuple[Carry, Any]], init: Carry
+) -> tuple[Carry, Any]:
+    """``lax.scan`` over ``i = 0 .. num_steps - 1`` of ``carry, out = body(i, module, carry)``:
+    (the last carry, every step's ``out`` stacked on a leading axis)."""
+    graphdef, state = nnx.split(module)
+
+    def step(carry, i):
+        return body(i, merge_in_trace(graphdef, state), carry)
+
+    return jax.lax.scan(step, init, jax.numpy.arange(num_steps))
 
 
 def module_vjp(module: nnx.Module, fn: Callable[..., Any], *primals: Any, has_aux: bool = False) -> Any:
