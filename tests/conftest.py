@@ -85,6 +85,11 @@ def demo_run(tmp_path_factory) -> pathlib.Path:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU (run with JAX_PLATFORMS=cuda,cpu); skipped without one")
+    config.addinivalue_line(
+        "markers",
+        "hlo: asserts on the structure of XLA:CPU's compiled output for the pinned JAX version "
+        "(docs/performance.md: what to do when JAX is upgraded)",
+    )
 
 
 # Test modules that share the session's ``demo_run``: one xdist worker runs them all, so the

@@ -227,6 +227,7 @@ def test_xla_gradients_match_float64_autodiff_of_a_naive_attention(kv_heads):
     np.testing.assert_array_equal(np.asarray(got[0][0, 4]), 0.0)  # the query without keys
 
 
+@pytest.mark.hlo
 def test_one_kv_head_keeps_the_probabilities_where_they_are():
     """With one KV head (π0.5), no layout copy of the [G·T, S] probabilities in the compiled
     forward and backward: XLA:CPU copied them between two layouts that differ only in where a

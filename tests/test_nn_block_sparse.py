@@ -121,6 +121,7 @@ def test_kv_cache_form_equals_dense():
     check_equal(q, k_all, v_all, suffix_seg, seg, suffix_blk, blk, bounds, scale=0.3)
 
 
+@pytest.mark.hlo
 def test_whole_segments_promise_takes_full_attention_tiles():
     """``whole_segments=True`` with zero block ids: the same result as the dense reference,
     through the block-sparse form's larger full-attention tiles (a different program)."""
@@ -151,6 +152,7 @@ def test_whole_sample_tiles_only_with_one_query_head_per_key_head():
     assert _tile_blocks(16, 2, 64, whole=True) == 4
 
 
+@pytest.mark.hlo
 def test_dispatch_uses_block_sparse_for_packed_rows_on_cpu():
     rng = np.random.default_rng(2)
     seg, _ = random_packing(rng, 2, 24, 8, "none")

@@ -150,6 +150,7 @@ def _fusions_with(hlo_text: str, opcode: str) -> list[int]:
     return [i.elements for i in hlo.instructions(hlo_text) if i.opcode == "fusion" and opcode in i.body]
 
 
+@pytest.mark.hlo
 def test_rope_tables_are_computed_once_per_position():
     """XLA:CPU would fuse sin/cos into each consumer and evaluate them per element of
     [B, T, N, H] (heads and both halves: 16x the tables here); they stay [B, T, H/2]."""
@@ -175,6 +176,7 @@ def _reduced_axes(hlo_text: str) -> list[tuple[list[int], list[int]]]:
     return found
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
 def test_norm_parameter_gradients_reduce_a_token_major_view(kind):
     """The parameters' gradients over one packed row [1, T, D] reduce [T, D] over its first axis:
@@ -190,6 +192,7 @@ def test_norm_parameter_gradients_reduce_a_token_major_view(kind):
     assert not middle, middle
 
 
+@pytest.mark.hlo
 def test_patch_embedding_is_a_convolution_whose_kernel_gradient_reads_the_output_gradient_as_is():
     """SigLIP's patch embedding equals a stride-P convolution; its kernel's gradient takes the
     output gradient [B·N, D] as it is: the 6-D einsum it replaced had XLA:CPU write that gradient

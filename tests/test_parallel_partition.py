@@ -122,6 +122,7 @@ def _fsdp_matmul_hlo(mesh, layers=3):
         return jax.jit(jax.grad(loss), out_shardings=w_sharding).lower(w, x).compile().as_text()
 
 
+@pytest.mark.hlo
 def test_collectives_from_hlo_count_loop_trips_and_axes():
     mesh = make_mesh(MeshConfig(data=2, fsdp=4))
     stats = collective_stats(_fsdp_matmul_hlo(mesh), mesh)

@@ -58,7 +58,6 @@ def test_reduced_models_shard_on_64_devices(compiled, model):
     assert kinds["all-gather"]["count"] > 0 and kinds["all-gather"]["bytes"] > 0
     assert kinds["reduce-scatter"]["count"] > 0 and kinds["reduce-scatter"]["bytes"] > 0
     assert axes["fsdp"]["bytes"] >= 0.95 * big["collective_bytes_per_device"]
-    assert big["compile_seconds"] < 60  # the 20 s on an idle CI core, with margin for a busy one
     # The parameter-tree count of the same traffic agrees with the HLO's.
     assert big["collective_bytes_per_device"] == pytest.approx(big["analytic_collective_bytes_per_device"], rel=0.15)
 

@@ -262,6 +262,7 @@ def test_schedules_and_decay_mask():
     assert mask == {"layer": {"kernel": True, "bias": False}, "norm": {"scale": False}, "embed": {"embedding": False}}
 
 
+@pytest.mark.hlo
 def test_clipping_equals_optax_and_fuses_into_the_moment_updates():
     """The clip scales each gradient by one scalar: optax's values in both regimes, and the
     compiled AdamW step keeps no clipped copy of a gradient (three full-size fusions per

@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -255,10 +254,9 @@ def test_a_missing_image_file_names_the_file_and_the_frame(v30):
 )
 def test_path_templates_take_only_lerobot_fields_and_small_integer_specs(v21, template, message):
     _edit_info(v21, data_path=template)
-    start = time.perf_counter()
+    # Refused by the template's own check, before any formatting (the huge width once allocated for 9-15 s).
     with pytest.raises(DatasetError, match=rf"info\.json: data_path: .*{message}") as caught:
         LeRobotDataset(v21)
-    assert time.perf_counter() - start < 5  # the huge width once allocated for 9-15 s
     assert "0x" not in str(caught.value) and "<class" not in str(caught.value)  # no object leaks into it
 
 
@@ -275,12 +273,10 @@ def test_a_huge_task_index_is_refused_before_allocating(dataset):
         indices = table.column("task_index").to_pylist()[:-1] + [big]
         column = pa.array(indices, type=table.schema.field("task_index").type)
         pq.write_table(table.set_column(table.column_names.index("task_index"), "task_index", column), path)
-    start = time.perf_counter()
-    with pytest.raises(
+    with pytest.raises(  # the bound check, before anything is allocated for the index
         DatasetError, match=rf"tasks\.(jsonl|parquet): task_index = {big}: expected an integer in \[0, 2\)"
     ):
         LeRobotDataset(dataset)
-    assert time.perf_counter() - start < 5
 
 
 @pytest.mark.parametrize(
@@ -407,7 +403,6 @@ def test_a_catastrophic_freeze_regex_from_a_saved_config_is_refused_at_once():
         dataclasses.replace(base, optimizer=dataclasses.replace(base.optimizer, freeze=(r"^blocks/", CATASTROPHIC)))
     )
     config = from_dict(json.loads(json.dumps(saved)))
-    start = time.perf_counter()
+    # Refused by its own check, before it is matched against any parameter path.
     with pytest.raises(PatternError, match=r"optimizer\.freeze: regex .*backtracks exponentially"):
         model_parts(config.model, config.optimizer.freeze)  # what loading a checkpoint builds first
-    assert time.perf_counter() - start < 1
