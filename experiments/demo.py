@@ -33,7 +33,7 @@ from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
-from experiments.registry import register
+from experiments.registry import register, register_runner
 
 IMAGE = 32
 CAMERAS = (("observation.images.scene", "base_0_rgb"), ("observation.images.wrist", "left_wrist_0_rgb"))
@@ -191,129 +191,132 @@ class DemoConfig(ExperimentConfig):
     # demo; PaliGemma's format) or "qwen3_words" (the GR00T demo; a Qwen3 tokenizer.json).
     tokenizer: str = "sentencepiece"
 
-    def build_tokenizer(self, workdir: pathlib.Path) -> pathlib.Path:
-        builders = {
-            "sentencepiece": lambda: build_tokenizer(workdir / "tokenizer.model", self.model.vocab_size),
-            "qwen3_words": lambda: build_gr00t_tokenizer(workdir / "tokenizer.json"),
-        }
-        if self.tokenizer not in builders:
-            raise ValueError(f"tokenizer={self.tokenizer!r}: one of {sorted(builders)}")
-        return builders[self.tokenizer]()
 
-    def run_directory(self) -> pathlib.Path:
-        """``--workdir``, or by default one directory per task: ``runs/demo/<task>``."""
-        if self.workdir == self.default_workdir():
-            return pathlib.Path(self.workdir) / self.task
-        return pathlib.Path(self.workdir)
+def build_demo_tokenizer(config: DemoConfig, workdir: pathlib.Path) -> pathlib.Path:
+    builders = {
+        "sentencepiece": lambda: build_tokenizer(workdir / "tokenizer.model", config.model.vocab_size),
+        "qwen3_words": lambda: build_gr00t_tokenizer(workdir / "tokenizer.json"),
+    }
+    if config.tokenizer not in builders:
+        raise ValueError(f"tokenizer={config.tokenizer!r}: one of {sorted(builders)}")
+    return builders[config.tokenizer]()
 
-    def default_workdir(self) -> str:
-        return f"runs/{self.name}"
 
-    def check_reuse(self, workdir: pathlib.Path) -> None:
-        """Refuse a run directory made for another task or model: resuming its checkpoint or
-        training on its dataset would report a policy that never saw this task."""
-        from embodied_jax.sim.tasks import TASKS
-        from embodied_jax.train.loop import ConfigError
+def run_directory(config: DemoConfig) -> pathlib.Path:
+    """``--workdir``, or by default one directory per task: ``runs/demo/<task>``."""
+    if config.workdir == default_workdir(config):
+        return pathlib.Path(config.workdir) / config.task
+    return pathlib.Path(config.workdir)
 
-        dataset = workdir / "dataset"
-        if dataset.is_dir() and any(dataset.iterdir()) and not (dataset / "meta" / "info.json").exists():
+
+def default_workdir(config: DemoConfig) -> str:
+    return f"runs/{config.name}"
+
+
+def check_reuse(config: DemoConfig, workdir: pathlib.Path) -> None:
+    """Refuse a run directory made for another task or model: resuming its checkpoint or
+    training on its dataset would report a policy that never saw this task."""
+    from embodied_jax.sim.tasks import TASKS
+    from embodied_jax.train.loop import ConfigError
+
+    dataset = workdir / "dataset"
+    if dataset.is_dir() and any(dataset.iterdir()) and not (dataset / "meta" / "info.json").exists():
+        raise ConfigError(
+            f"{dataset} exists but holds no LeRobot dataset (no meta/info.json): remove it or choose another --workdir"
+        )
+    wanted = {"task": config.task, "model": type(config.model).__name__}
+    if config.evaluation.phase_in_state:  # recorded only when on: older run directories stay reusable
+        wanted["phase_in_state"] = True
+    record = workdir / RECORD
+    if record.exists():
+        saved = json.loads(record.read_text())
+        changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in wanted.items() if saved.get(k) != v]
+        if changed:
             raise ConfigError(
-                f"{dataset} exists but holds no LeRobot dataset (no meta/info.json): remove it or "
-                f"choose another --workdir"
+                f"{workdir} holds a demo run of another kind ({', '.join(changed)}): choose another "
+                f"--workdir (by default each task has its own: runs/{config.name}/<task>)"
             )
-        wanted = {"task": self.task, "model": type(self.model).__name__}
-        if self.evaluation.phase_in_state:  # recorded only when on: older run directories stay reusable
-            wanted["phase_in_state"] = True
-        record = workdir / RECORD
-        if record.exists():
-            saved = json.loads(record.read_text())
-            changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in wanted.items() if saved.get(k) != v]
-            if changed:
-                raise ConfigError(
-                    f"{workdir} holds a demo run of another kind ({', '.join(changed)}): choose another "
-                    f"--workdir (by default each task has its own: runs/{self.name}/<task>)"
-                )
-        if (dataset / "meta" / "info.json").exists():
-            from embodied_jax.data.lerobot import LeRobotDataset
+    if (dataset / "meta" / "info.json").exists():
+        from embodied_jax.data.lerobot import LeRobotDataset
 
-            tasks = LeRobotDataset(dataset).tasks
-            instruction = TASKS[self.task].instruction
-            if list(tasks) != [instruction]:
-                raise ConfigError(
-                    f"{dataset} holds demonstrations of {list(tasks)}, not of '{self.task}' ({instruction!r}): "
-                    f"choose another --workdir (by default each task has its own: runs/{self.name}/<task>)"
-                )
-        workdir.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(wanted))
-
-    def run(self) -> int:
-        from embodied_jax import load_policy
-        from embodied_jax.sim.collect import collect
-        from embodied_jax.train.loop import train
-
-        t0 = time.perf_counter()
-        workdir = self.run_directory()
-        dataset = workdir / "dataset"
-        self.check_reuse(workdir)
-        if (dataset / "meta" / "info.json").exists():
-            from embodied_jax.data.lerobot import LeRobotDataset
-
-            episodes = LeRobotDataset(dataset).num_episodes
-            print(f"[1/4] reusing {dataset} ({self.task}, {episodes} episodes)", flush=True)
-        else:
-            print(f"[1/4] collecting {self.episodes} expert episodes of '{self.task}' ...", flush=True)
-            noise = self.collect_noise  # None: the task's calibrated DART noise (Task.dart_noise)
-            collect(
-                self.task,
-                self.episodes,
-                dataset,
-                image_size=tuple(self.data.data.image_size),
-                noise=noise,
-                phase_in_state=self.evaluation.phase_in_state,  # the state the policy will be evaluated with
+        tasks = LeRobotDataset(dataset).tasks
+        instruction = TASKS[config.task].instruction
+        if list(tasks) != [instruction]:
+            raise ConfigError(
+                f"{dataset} holds demonstrations of {list(tasks)}, not of '{config.task}' ({instruction!r}): "
+                f"choose another --workdir (by default each task has its own: runs/{config.name}/<task>)"
             )
-        tokenizer = self.build_tokenizer(workdir)
-        fitted = fit_to_task(self)
-        spec = fitted.data.data.spec
-        if self.delta_actions:
-            from embodied_jax.sim.tasks import TASKS
+    workdir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(wanted))
 
-            spec = dataclasses.replace(spec, delta_action_mask=tuple(bool(m) for m in TASKS[self.task].position_mask()))
-        config = dataclasses.replace(
-            fitted,
-            workdir=str(workdir),
-            model=dataclasses.replace(fitted.model, tokenizer_path=str(tokenizer)),
-            data=dataclasses.replace(
-                fitted.data, root=str(dataset), data=dataclasses.replace(fitted.data.data, sources=(), spec=spec)
-            ),
-            evaluation=dataclasses.replace(self.evaluation, task=self.task),  # evaluate the task trained on
-        )
-        packing = config.data.packing
-        layout = (
-            f", packed rows of {packing.seq_len} tokens ({config.train.batch_size} rows per step)"
-            if packing.enabled
-            else ""
-        )
-        print(f"[2/4] training {type(config.model).__name__} for {config.train.steps} steps{layout} ...", flush=True)
-        result = train(config)
-        if self.eval_envs == 0:
-            print("[3/4] closed-loop evaluation skipped (--eval-envs 0)")
-            print(f"checkpoints: {result.checkpoint_dir}")
-            return 0
-        print(f"[3/4] evaluating in batched MJX ({self.eval_envs} environments) ...", flush=True)
-        from embodied_jax.evaluate import evaluate_policy, report_lines, summary_line
 
-        # Image size, execute_steps and seed: the run's saved evaluation (the task trained on).
-        out = workdir / "eval"
-        metrics = evaluate_policy(
-            load_policy(workdir), self.task, envs=self.eval_envs, videos=self.num_videos, out_dir=out
+def run_demo(config: DemoConfig) -> int:
+    """The demo's pipeline: collect expert demonstrations (or reuse them), train, evaluate closed-loop."""
+    from embodied_jax import load_policy
+    from embodied_jax.sim.collect import collect
+    from embodied_jax.train.loop import train
+
+    t0 = time.perf_counter()
+    workdir = run_directory(config)
+    dataset = workdir / "dataset"
+    check_reuse(config, workdir)
+    if (dataset / "meta" / "info.json").exists():
+        from embodied_jax.data.lerobot import LeRobotDataset
+
+        episodes = LeRobotDataset(dataset).num_episodes
+        print(f"[1/4] reusing {dataset} ({config.task}, {episodes} episodes)", flush=True)
+    else:
+        print(f"[1/4] collecting {config.episodes} expert episodes of '{config.task}' ...", flush=True)
+        noise = config.collect_noise  # None: the task's calibrated DART noise (Task.dart_noise)
+        collect(
+            config.task,
+            config.episodes,
+            dataset,
+            image_size=tuple(config.data.data.image_size),
+            noise=noise,
+            phase_in_state=config.evaluation.phase_in_state,  # the state the policy will be evaluated with
         )
-        minutes = (time.perf_counter() - t0) / 60
-        losses = [h["loss"] for h in result.history if "loss" in h]
-        final = f"; final loss {losses[-1]:.4f}" if losses else ""
-        print(f"[4/4] {summary_line(metrics)}{final}; wall time {minutes:.1f} min")
-        print("\n".join(report_lines(metrics, out)))
-        print(f"tensorboard: {workdir / 'tensorboard'}")
+    tokenizer = build_demo_tokenizer(config, workdir)
+    fitted = fit_to_task(config)
+    spec = fitted.data.data.spec
+    if config.delta_actions:
+        from embodied_jax.sim.tasks import TASKS
+
+        spec = dataclasses.replace(spec, delta_action_mask=tuple(bool(m) for m in TASKS[config.task].position_mask()))
+    run = dataclasses.replace(
+        fitted,
+        workdir=str(workdir),
+        model=dataclasses.replace(fitted.model, tokenizer_path=str(tokenizer)),
+        data=dataclasses.replace(
+            fitted.data, root=str(dataset), data=dataclasses.replace(fitted.data.data, sources=(), spec=spec)
+        ),
+        evaluation=dataclasses.replace(config.evaluation, task=config.task),  # evaluate the task trained on
+    )
+    packing = run.data.packing
+    layout = (
+        f", packed rows of {packing.seq_len} tokens ({run.train.batch_size} rows per step)" if packing.enabled else ""
+    )
+    print(f"[2/4] training {type(run.model).__name__} for {run.train.steps} steps{layout} ...", flush=True)
+    result = train(run)
+    if config.eval_envs == 0:
+        print("[3/4] closed-loop evaluation skipped (--eval-envs 0)")
+        print(f"checkpoints: {result.checkpoint_dir}")
         return 0
+    print(f"[3/4] evaluating in batched MJX ({config.eval_envs} environments) ...", flush=True)
+    from embodied_jax.evaluate import evaluate_policy, report_lines, summary_line
+
+    # Image size, execute_steps and seed: the run's saved evaluation (the task trained on).
+    out = workdir / "eval"
+    metrics = evaluate_policy(
+        load_policy(workdir), config.task, envs=config.eval_envs, videos=config.num_videos, out_dir=out
+    )
+    minutes = (time.perf_counter() - t0) / 60
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    final = f"; final loss {losses[-1]:.4f}" if losses else ""
+    print(f"[4/4] {summary_line(metrics)}{final}; wall time {minutes:.1f} min")
+    print("\n".join(report_lines(metrics, out)))
+    print(f"tensorboard: {workdir / 'tensorboard'}")
+    return 0
 
 
 CAMERA_SLOTS = {  # a built-in task's camera -> its π0.5 and GR00T image slots
@@ -356,6 +359,9 @@ def fit_to_task(config: DemoConfig) -> DemoConfig:
     factor = dict(config.task_steps_factor).get(config.task, 1.0)
     train = dataclasses.replace(config.train, steps=max(1, round(config.train.steps * factor)))
     return dataclasses.replace(config, model=model, data=data, train=train)
+
+
+register_runner(DemoConfig, run_demo)
 
 
 @register("demo", "default: collect MJX expert demos -> train a small π0.5 -> evaluate closed-loop (CPU)")

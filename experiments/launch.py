@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if config.compile or config.gpu_memory_gb:
             raise ConfigError("compile: --compile and --gpu-memory-gb only apply together with --dry-run")
-        return config.run()  # training, or an experiment's steps around it (the demo)
+        from experiments.registry import runner
+
+        return runner(config)(config)  # training, or an experiment's steps around it (the demo)
     except INPUT_ERRORS as e:
         return fail(e, verbose=config.verbose)
     except NonFiniteLossError as e:

@@ -28,7 +28,7 @@ from embodied_jax.evaluation import MetaWorldEvaluation
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
 from experiments.demo import build_tokenizer, demo_model
-from experiments.registry import register
+from experiments.registry import register, register_runner
 
 IMAGE = 64
 HORIZON = 8
@@ -46,83 +46,85 @@ class MetaWorldConfig(ExperimentConfig):
     num_videos: int = 1  # per task
     untrained_episodes: int = 10  # per task: the untrained policy's score beside the result (0: skip)
 
-    def run_directory(self) -> pathlib.Path:
-        return pathlib.Path(self.workdir)
 
-    def check_reuse(self, workdir: pathlib.Path) -> None:
-        """Refuse a run directory made for other tasks: its dataset or checkpoint would report on them."""
-        from embodied_jax.sim import metaworld
-        from embodied_jax.train.loop import ConfigError
+def run_directory(config: MetaWorldConfig) -> pathlib.Path:
+    return pathlib.Path(config.workdir)
 
-        wanted = {"tasks": list(metaworld.parse_tasks(self.tasks)), "image": list(self.data.data.image_size)}
-        record = workdir / RECORD
-        if record.exists():
-            saved = json.loads(record.read_text())
-            if saved != wanted:
-                raise ConfigError(
-                    f"{workdir} holds a Meta-World run of {saved}, not {wanted}: choose another --workdir"
-                )
-        workdir.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(wanted))
 
-    def run(self) -> int:
-        from embodied_jax import load_policy
-        from embodied_jax.evaluate import detail_lines, evaluate_metaworld, report_lines, summary_line
-        from embodied_jax.sim import media, metaworld
-        from embodied_jax.train.loop import train
+def check_reuse(config: MetaWorldConfig, workdir: pathlib.Path) -> None:
+    """Refuse a run directory made for other tasks: its dataset or checkpoint would report on them."""
+    from embodied_jax.sim import metaworld
+    from embodied_jax.train.loop import ConfigError
 
-        t0 = time.perf_counter()
-        workdir = self.run_directory()
-        self.check_reuse(workdir)
-        dataset = workdir / "dataset"
-        names = metaworld.parse_tasks(self.tasks)
-        if (dataset / "meta" / "info.json").exists():
-            print(f"[1/4] reusing {dataset}", flush=True)
-        else:
-            print(
-                f"[1/4] collecting {self.episodes} scripted episodes of each of {len(names)} Meta-World tasks",
-                flush=True,
-            )
-            metaworld.collect(
-                names, self.episodes, dataset, image_size=tuple(self.data.data.image_size), noise=self.collect_noise
-            )
-        minutes = (time.perf_counter() - t0) / 60
-        print(f"      collection: {minutes:.1f} min", flush=True)
-        instructions = [metaworld.INSTRUCTIONS[t] for t in metaworld.MT50]
-        tokenizer = build_tokenizer(workdir / "tokenizer.model", self.model.vocab_size, instructions)
-        config = dataclasses.replace(
-            self,
-            workdir=str(workdir),
-            model=dataclasses.replace(self.model, tokenizer_path=str(tokenizer)),
-            data=dataclasses.replace(self.data, root=str(dataset)),
-            evaluation=dataclasses.replace(self.evaluation, tasks=self.tasks),
+    wanted = {"tasks": list(metaworld.parse_tasks(config.tasks)), "image": list(config.data.data.image_size)}
+    record = workdir / RECORD
+    if record.exists():
+        saved = json.loads(record.read_text())
+        if saved != wanted:
+            raise ConfigError(f"{workdir} holds a Meta-World run of {saved}, not {wanted}: choose another --workdir")
+    workdir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(wanted))
+
+
+def run_metaworld(config: MetaWorldConfig) -> int:
+    """Collect scripted demonstrations of the tasks (or reuse them), train, evaluate in Meta-World."""
+    from embodied_jax import load_policy
+    from embodied_jax.evaluate import detail_lines, evaluate_metaworld, report_lines, summary_line
+    from embodied_jax.sim import media, metaworld
+    from embodied_jax.train.loop import train
+
+    t0 = time.perf_counter()
+    workdir = run_directory(config)
+    check_reuse(config, workdir)
+    dataset = workdir / "dataset"
+    names = metaworld.parse_tasks(config.tasks)
+    if (dataset / "meta" / "info.json").exists():
+        print(f"[1/4] reusing {dataset}", flush=True)
+    else:
+        print(
+            f"[1/4] collecting {config.episodes} scripted episodes of each of {len(names)} Meta-World tasks",
+            flush=True,
         )
-        t1 = time.perf_counter()
-        print(f"[2/4] training {type(config.model).__name__} for {config.train.steps} steps ...", flush=True)
-        result = train(config)
-        print(f"      training: {(time.perf_counter() - t1) / 60:.1f} min", flush=True)
-        out = workdir / "eval"
-        out.mkdir(parents=True, exist_ok=True)
-        curve = plot_learning_curve(workdir / "metrics.jsonl", out / "learning_curve.png", media)
-        if self.eval_envs == 0:
-            print("[3/4] final evaluation skipped (--eval-envs 0)")
-            return 0
-        print(f"[3/4] evaluating on {len(names)} tasks x {self.eval_episodes} episodes ...", flush=True)
-        bundle = load_policy(workdir)
-        kwargs = dict(episodes=self.eval_episodes, envs=self.eval_envs, execute_steps=self.evaluation.execute_steps)
-        metrics = evaluate_metaworld(bundle, self.tasks, videos=self.num_videos, out_dir=out, **kwargs)
-        lines = [summary_line(metrics), *detail_lines(metrics)]
-        if self.untrained_episodes:
-            kwargs["episodes"] = self.untrained_episodes
-            untrained = evaluate_metaworld(untrained_policy(bundle), self.tasks, out_dir=out / "untrained", **kwargs)
-            lines.append(f"untrained policy: {summary_line(untrained)}")
-        losses = [h["loss"] for h in result.history if "loss" in h]
-        final = f"; final loss {losses[-1]:.4f}" if losses else ""
-        print(f"[4/4] wall time {(time.perf_counter() - t0) / 60:.1f} min{final}")
-        print("\n".join(lines + report_lines(metrics, out)))
-        if curve is not None:
-            print(f"learning curve: {curve}")
+        metaworld.collect(
+            names, config.episodes, dataset, image_size=tuple(config.data.data.image_size), noise=config.collect_noise
+        )
+    minutes = (time.perf_counter() - t0) / 60
+    print(f"      collection: {minutes:.1f} min", flush=True)
+    instructions = [metaworld.INSTRUCTIONS[t] for t in metaworld.MT50]
+    tokenizer = build_tokenizer(workdir / "tokenizer.model", config.model.vocab_size, instructions)
+    config = dataclasses.replace(
+        config,
+        workdir=str(workdir),
+        model=dataclasses.replace(config.model, tokenizer_path=str(tokenizer)),
+        data=dataclasses.replace(config.data, root=str(dataset)),
+        evaluation=dataclasses.replace(config.evaluation, tasks=config.tasks),
+    )
+    t1 = time.perf_counter()
+    print(f"[2/4] training {type(config.model).__name__} for {config.train.steps} steps ...", flush=True)
+    result = train(config)
+    print(f"      training: {(time.perf_counter() - t1) / 60:.1f} min", flush=True)
+    out = workdir / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    curve = plot_learning_curve(workdir / "metrics.jsonl", out / "learning_curve.png", media)
+    if config.eval_envs == 0:
+        print("[3/4] final evaluation skipped (--eval-envs 0)")
         return 0
+    print(f"[3/4] evaluating on {len(names)} tasks x {config.eval_episodes} episodes ...", flush=True)
+    bundle = load_policy(workdir)
+    kwargs = dict(episodes=config.eval_episodes, envs=config.eval_envs, execute_steps=config.evaluation.execute_steps)
+    metrics = evaluate_metaworld(bundle, config.tasks, videos=config.num_videos, out_dir=out, **kwargs)
+    lines = [summary_line(metrics), *detail_lines(metrics)]
+    if config.untrained_episodes:
+        kwargs["episodes"] = config.untrained_episodes
+        untrained = evaluate_metaworld(untrained_policy(bundle), config.tasks, out_dir=out / "untrained", **kwargs)
+        lines.append(f"untrained policy: {summary_line(untrained)}")
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    final = f"; final loss {losses[-1]:.4f}" if losses else ""
+    print(f"[4/4] wall time {(time.perf_counter() - t0) / 60:.1f} min{final}")
+    print("\n".join(lines + report_lines(metrics, out)))
+    if curve is not None:
+        print(f"learning curve: {curve}")
+    return 0
 
 
 def untrained_policy(bundle):
@@ -184,6 +186,9 @@ def metaworld_config(
         evaluation=MetaWorldEvaluation(tasks=tasks, episodes=5, envs=5, execute_steps=4, image_size=(IMAGE, IMAGE)),
         workdir=f"runs/{name}",
     )
+
+
+register_runner(MetaWorldConfig, run_metaworld)
 
 
 @register("metaworld_mt10", "Meta-World MT10: scripted demos -> one language-conditioned π0.5 -> the ten tasks (CPU)")

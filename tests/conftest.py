@@ -61,7 +61,7 @@ def demo_run(tmp_path_factory) -> pathlib.Path:
     import dataclasses
 
     from embodied_jax.train.config import CheckpointConfig, MetricsConfig, TrainConfig
-    from experiments.demo import demo_config
+    from experiments.demo import demo_config, run_demo
 
     workdir = tmp_path_factory.mktemp("demo")
     base = demo_config(image_size=DEMO_IMAGE)
@@ -79,7 +79,7 @@ def demo_run(tmp_path_factory) -> pathlib.Path:
         metrics=MetricsConfig(progress_bar=False, tensorboard=False),
         evaluation=dataclasses.replace(base.evaluation, num_envs=8, execute_steps=5),
     )
-    assert config.run() == 0
+    assert run_demo(config) == 0
     return workdir
 
 

@@ -131,6 +131,97 @@ def test_library_imports_follow_the_design_arrows():
     assert not violations, "imports against DESIGN.md's arrows:\n" + "\n".join(violations)
 
 
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_circles(package: pathlib.Path, root: pathlib.Path = ROOT) -> list[list[str]]:
+    """The import circles among the modules under ``package``, lazy (function-level) imports
+    included: each a sorted list of module names (strongly connected components of two or more)."""
+    paths = sorted(package.rglob("*.py"))
+    modules = {_module_name(p, root): p for p in paths}
+
+    def resolve(name: str) -> str | None:  # ``pkg.mod.Name`` -> ``pkg.mod``; ``pkg`` -> ``pkg`` (its __init__)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: set() for m in modules}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):  # ``from pkg import mod`` names a module too
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    if (target := resolve(f"{node.module}.{alias.name}")) not in (None, module):
+                        graph[module].add(target)
+        for _, name in imported_modules(path, root):
+            if (target := resolve(name)) not in (None, module):
+                graph[module].add(target)
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_the_circle_check_finds_a_lazy_circle(tmp_path):
+    package = tmp_path / "embodied_jax" / "train"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "config.py").write_text("def run():\n    from embodied_jax.train.loop import train\n")
+    (package / "loop.py").write_text("from embodied_jax.train import config\n")
+    (package / "step.py").write_text("from embodied_jax.train.config import run\n")
+    assert import_circles(tmp_path / "embodied_jax", root=tmp_path) == [
+        ["embodied_jax.train.config", "embodied_jax.train.loop"]
+    ]
+
+
+def test_no_import_circle_in_the_library_or_the_experiments():
+    circles = import_circles(LIBRARY) + import_circles(ROOT / "experiments")
+    assert not circles, "import circles (lazy imports included):\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_configs_are_data():
+    """No registered config class runs anything: running is ``experiments/registry.py``'s."""
+    import dataclasses
+
+    from embodied_jax import config_registry
+
+    classes = {type(config) for config in _registered_experiments().values()}  # every experiment module imported
+    classes |= set(config_registry.registered().values())
+    runners = [
+        f"{cls.__module__}.{cls.__name__}.{name}"
+        for cls in classes
+        if dataclasses.is_dataclass(cls)
+        for name in ("run", "check_reuse", "run_directory")
+        if callable(getattr(cls, name, None))
+    ]
+    assert not runners, runners
+
+
 def test_library_names_no_experiment_module_in_strings():
     """No config, registry or loader in the library refers to ``experiments`` code by name."""
     hits = [

@@ -255,12 +255,12 @@ def test_a_rerun_for_another_task_in_the_same_workdir_is_refused(demo_run, capsy
 def test_the_default_demo_directory_is_per_task():
     import pathlib
 
-    from experiments.demo import demo_config
+    from experiments.demo import demo_config, run_directory
 
     config = demo_config()
-    assert config.run_directory() == pathlib.Path("runs/demo/reach")
-    assert dataclasses.replace(config, task="pick_place").run_directory() == pathlib.Path("runs/demo/pick_place")
-    assert dataclasses.replace(config, workdir="elsewhere").run_directory() == pathlib.Path("elsewhere")
+    assert run_directory(config) == pathlib.Path("runs/demo/reach")
+    assert run_directory(dataclasses.replace(config, task="pick_place")) == pathlib.Path("runs/demo/pick_place")
+    assert run_directory(dataclasses.replace(config, workdir="elsewhere")) == pathlib.Path("elsewhere")
 
 
 @pytest.mark.parametrize("arch", ["pi05", "gr00t"])

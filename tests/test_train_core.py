@@ -16,7 +16,8 @@ from embodied_jax.models.toy_flow import ToyFlowConfig, ToyFlowPolicy
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.parallel.sharding import global_batch
 from embodied_jax.train import loop
-from embodied_jax.train.config import Evaluation, SyntheticData
+from embodied_jax.train.config import Evaluation
+from embodied_jax.train.synthetic import SyntheticData
 from experiments import launch
 from tests.train_utils import TOY, losses, replace_train, toy_config
 

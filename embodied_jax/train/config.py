@@ -2,8 +2,8 @@
 
 ``ExperimentConfig`` holds the run: a model (``policy.PolicyConfig``), a data source
 (``data.sources.DataSource``), an optional in-training ``Evaluation`` and the trainer's
-own settings. Its ``run()`` is what ``python -m experiments.launch`` calls; experiments with
-steps around training (the demo) override it. Every class here is a registered config
+own settings. Configs are data: what runs them is ``experiments/registry.py`` (training, or
+an experiment's steps around it). Every class here is a registered config
 (``config_registry``): checkpoints save the run's config and ``load_policy`` rebuilds it.
 """
 
@@ -15,10 +15,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from embodied_jax.config_registry import register
-from embodied_jax.data.iterator import BatchIterator
-from embodied_jax.data.sources import DataSource
 from embodied_jax.parallel.distributed import DistributedConfig
 from embodied_jax.parallel.mesh import MeshConfig
+from embodied_jax.train.synthetic import SyntheticData
 
 
 @register
@@ -75,19 +74,6 @@ class MetricsConfig:
     wandb_project: str = "embodied_jax"
 
 
-@register
-@dataclasses.dataclass(frozen=True)
-class SyntheticData(DataSource):
-    """Batches from the model config's ``synthetic_batch``: a deterministic function of the step."""
-
-    def make_iterator(
-        self, *, model: Any, process_index: int, process_count: int, batch_size: int, seed: int
-    ) -> BatchIterator:
-        from embodied_jax.train.synthetic import SyntheticIterator
-
-        return SyntheticIterator(model, process_index, process_count, batch_size, seed)
-
-
 # Scores the live model at a training step: ``run(model, step) -> {name: value}``.
 EvaluationRun = Callable[[Any, int], Mapping[str, float]]
 
@@ -125,14 +111,3 @@ class ExperimentConfig:
     # Simulate this many CPU devices (sets the host platform device count before JAX starts).
     virtual_devices: int | None = None
     verbose: bool = False  # errors of bad input print their traceback, not only their one line
-
-    def run(self) -> int:
-        """Train; print the loss curve and where the outputs are. Returns the exit status."""
-        from embodied_jax.train.loop import train
-
-        result = train(self)
-        curve = [(h["step"], h["loss"]) for h in result.history if "loss" in h]
-        if curve:
-            print("loss curve: " + ", ".join(f"{s}:{loss:.4f}" for s, loss in curve))
-        print(f"finished at step {result.final_step}; outputs in {result.workdir}")
-        return 0

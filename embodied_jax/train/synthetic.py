@@ -1,12 +1,27 @@
-"""A checkpointable iterator over synthetic batches of a model's exact training shapes."""
+"""Synthetic data: a data source (``SyntheticData``, the default of ``ExperimentConfig.data``) and its
+checkpointable iterator over batches of a model's exact training shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
+from embodied_jax.config_registry import register
 from embodied_jax.data.iterator import BatchIterator
+from embodied_jax.data.sources import DataSource
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SyntheticData(DataSource):
+    """Batches from the model config's ``synthetic_batch``: a deterministic function of the step."""
+
+    def make_iterator(
+        self, *, model: Any, process_index: int, process_count: int, batch_size: int, seed: int
+    ) -> BatchIterator:
+        return SyntheticIterator(model, process_index, process_count, batch_size, seed)
 
 
 class SyntheticIterator(BatchIterator):
