@@ -229,13 +229,19 @@ def _check(x: np.ndarray, stats: FeatureStats, key: str) -> None:
         raise ValueError(f"{key!r} has width {x.shape[-1]} but its statistics have width {stats.mean.shape[0]}")
 
 
-def normalize(x: np.ndarray, stats: FeatureStats, mode: str, *, eps: float = 1e-8, key: str = "?") -> np.ndarray:
-    x = np.asarray(x, np.float32)
+def normalize(x: Any, stats: FeatureStats, mode: str, *, eps: float = 1e-8, key: str = "?", xp: Any = np) -> Any:
+    """``x`` normalised by ``mode`` (float32). ``xp``: ``numpy`` on the host, or ``jax.numpy`` inside a
+    jitted program (the statistics then enter as float32 constants)."""
+    x = xp.asarray(x, xp.float32)
     _check(x, stats, key)
+
+    def const(v):
+        return v if xp is np else xp.asarray(np.asarray(v, np.float32))
+
     if mode == "mean_std":
-        return ((x - stats.mean) / (stats.std + eps)).astype(np.float32)
+        return ((x - const(stats.mean)) / (const(stats.std) + eps)).astype(xp.float32)
     low, high = _range(stats, mode, key)
-    return np.clip(2.0 * (x - low) / (high - low + eps) - 1.0, -1.0, 1.0).astype(np.float32)
+    return xp.clip(2.0 * (x - const(low)) / (const(high) - const(low) + eps) - 1.0, -1.0, 1.0).astype(xp.float32)
 
 
 def unnormalize(x: np.ndarray, stats: FeatureStats, mode: str, *, eps: float = 1e-8, key: str = "?") -> np.ndarray:

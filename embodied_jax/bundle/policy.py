@@ -1,26 +1,6 @@
-"""Policy bundles: a trained model as the policy a robot (or the simulator) runs.
-
-A ``PolicyBundle`` holds the run's config, the model, the normalisation statistics and
-the run's per-sample transform (``DataSource.serving_transform``: the very
-``SampleTransform`` the Grain pipeline applied to every training sample, without
-augmentation). ``predict(raw)`` takes a robot's raw observation in dataset keys::
-
-    {"observation.state": float [S],
-     "observation.images.<camera>": uint8 [H, W, 3],
-     "task": str}
-
-or a batch of them (a leading B on every array; ``task`` one str or B of them), applies
-that transform on the host, samples action chunks with one jitted call and returns them
-unnormalised and absolute (delta actions turned back): [horizon, action_dim] for one
-observation, [B, horizon, action_dim] for a batch. Every key, shape, dtype and value
-range, and each ``ObservationError``, is described in ``docs/observations.md``.
-
-``act_fn(instruction)`` gives the simulator's evaluator a jittable ``act(params,
-observation, rng) -> [B, H, A]`` and the parameters to call it with; the host
-preprocessing runs inside the compiled program through ``jax.pure_callback``, so
-evaluation exercises the same code as serving. ``embodied_jax.load_policy`` makes a
-bundle from a checkpoint.
-"""
+"""``PolicyBundle``: a trained model as the policy a robot (or the simulator) runs (the package
+docstring has the whole story); host pre/post-processing, the jitted per-row sampler and the
+simulator's ``act_fn``."""
 
 from __future__ import annotations
 
@@ -33,21 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from embodied_jax.bundle.observation import (
+    ObservationError,
+    RtcPrefix,
+    check_finite_stats,
+    check_raw_observation,
+)
 from embodied_jax.data.samples import to_absolute_actions
-from embodied_jax.data.stats import FeatureStats, Normalizer
-from embodied_jax.errors import InputError
+from embodied_jax.data.stats import FeatureStats, Normalizer, normalize
 from embodied_jax.nn import rtc
 from embodied_jax.nn.traced import merge_in_trace
 
 ActFn = Callable[[Any, dict[str, Any], jax.Array], jax.Array]
-
-
-class ObservationError(InputError, ValueError):
-    """A robot observation the policy cannot take (missing key, shape, dtype, non-finite state)."""
-
-
-class NormStatsError(InputError, ValueError):
-    """Normalisation statistics a policy cannot act with (non-finite values)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,43 +45,9 @@ def _stack(samples: list[dict]) -> dict:
     return np.stack([np.asarray(s) for s in samples])
 
 
-@dataclasses.dataclass(frozen=True)
-class RtcPrefix:
-    """Real-time chunking input of one request: ``actions`` [P, A], the previous chunk's actions
-    (robot units) from the new chunk's first step on, P <= horizon; ``delay``: how many of them
-    execute while the new chunk is sampled (0 <= delay <= P)."""
-
-    actions: np.ndarray
-    delay: int
-
-    def check(self, horizon: int, width: int) -> np.ndarray:
-        actions = np.asarray(self.actions)
-        if actions.ndim != 2 or not 1 <= actions.shape[0] <= horizon or actions.shape[1] != width:
-            raise ObservationError(
-                f"prefix_actions: expected float32 [P, {width}] with 1 <= P <= {horizon}, got shape {actions.shape}"
-            )
-        if actions.dtype.kind != "f" or not np.isfinite(actions).all():
-            raise ObservationError(f"prefix_actions: expected finite float values, got dtype {actions.dtype}")
-        if not 0 <= self.delay <= actions.shape[0]:
-            raise ObservationError(f"inference_delay: expected 0 <= delay <= {actions.shape[0]}, got {self.delay}")
-        return actions.astype(np.float32)
-
-
 def row_keys(rng: jax.Array, rows: int) -> jax.Array:
     """The per-row keys of a call with ``rng``: ``predict`` and the server derive them alike."""
     return jax.random.split(rng, rows)
-
-
-def _check_finite_stats(stats: Mapping[str, FeatureStats], modes: Mapping[str, str]) -> None:
-    """The statistics a policy normalises with must be finite: NaN there would make every action NaN."""
-    for key in modes:
-        if key not in stats:
-            continue
-        feature = stats[key]
-        values = {"mean": feature.mean, "std": feature.std, "min": feature.min, "max": feature.max, **feature.quantiles}
-        bad = [name for name, v in values.items() if not np.isfinite(np.asarray(v, np.float64)).all()]
-        if bad:
-            raise NormStatsError(f"norm_stats[{key!r}]: {', '.join(bad)} hold non-finite values")
 
 
 class PolicyBundle:
@@ -127,7 +70,7 @@ class PolicyBundle:
         self.inputs = self.transform.inputs
         data = config.data.data
         modes = dict(data.norm_modes)
-        _check_finite_stats(self.stats, modes)
+        check_finite_stats(self.stats, modes)
         self._unnormalizer = Normalizer(self.stats, modes) if modes else None
         self._delta_action_mask = data.spec.delta_action_mask
         action_stats = self.stats.get(self.inputs.action_key)
@@ -170,83 +113,16 @@ class PolicyBundle:
         resize: bool,
         batched: bool | None = None,
     ) -> tuple[dict[str, np.ndarray], list[str] | None]:
-        """The observation's state and images as validated arrays (images uint8) and its tasks
-        (None when unbatched), each problem named; ``batched``: require a batch (True) or one
-        observation (False), checked before any value is read."""
-        state_key, cameras = self.inputs.state_key, self.inputs.camera_keys
-        keys = (state_key, "task", *cameras)
-        missing = [k for k in keys if k not in raw]
-        if missing:
-            raise ObservationError(f"observation lacks {missing}; a policy of this run needs {list(keys)}")
-        state = np.asarray(raw[state_key])
-        if state.ndim not in (1, 2):
-            raise ObservationError(f"{state_key}: expected a state [S] or a batch of states [B, S], got {state.shape}")
-        if batched is not None and (state.ndim == 2) != batched:
-            want = "one observation (state [S], images [H, W, 3])" if not batched else "a batch"
-            raise ObservationError(f"{state_key}: expected {want}, got a state of shape {state.shape}")
-        if state.dtype.kind not in "fiu":
-            raise ObservationError(f"{state_key}: expected real numbers (float or int), got dtype {state.dtype}")
-        if self.state_dim is not None and state.shape[-1] != self.state_dim:
-            raise ObservationError(
-                f"{state_key}: expected {self.state_dim} values per state (the run's state), got shape {state.shape}"
-            )
-        state = state.astype(np.float32)
-        if not np.isfinite(state).all():
-            bad = int(np.size(state) - np.isfinite(state).sum())
-            raise ObservationError(f"{state_key} holds {bad} non-finite values (of {np.size(state)})")
-        images = {key: np.asarray(raw[key]) for key in cameras}
-        for key, image in images.items():
-            if image.ndim not in (3, 4):
-                raise ObservationError(
-                    f"{key}: expected an image [H, W, 3] or a batch [B, H, W, 3], got shape {image.shape}"
-                )
-        batched = {state_key: state.ndim == 2, **{key: image.ndim == 4 for key, image in images.items()}}
-        task = raw["task"]
-        if isinstance(task, (list, tuple, np.ndarray)) and all(isinstance(t, str) for t in task):
-            batched["task"] = True
-            tasks = list(task)
-        elif not isinstance(task, str):
-            raise ObservationError(f"task: expected the instruction as a str (or B of them), got {type(task).__name__}")
-        if len(set(batched.values())) > 1:
-            with_batch = [k for k, b in batched.items() if b]
-            without = [k for k, b in batched.items() if not b]
-            raise ObservationError(
-                f"observation mixes batched keys {with_batch} with unbatched keys {without}: give every key a "
-                f"leading batch dimension B, or none"
-            )
-        batch = state.shape[0] if state.ndim == 2 else None
-        out = {state_key: state}
-        for key, image in images.items():
-            if image.shape[-1] != 3 or (batch is not None and image.shape[0] != batch):
-                layout = "[H, W, 3]" if batch is None else f"[{batch}, H, W, 3] (one per state)"
-                raise ObservationError(f"{key}: expected an RGB image {layout}, got shape {image.shape}")
-            size = tuple(image.shape[-3:-1])
-            if min(size) < 1 or (self.image_size is not None and size != self.image_size and not resize):
-                h, w = self.image_size or ("H", "W")
-                raise ObservationError(
-                    f"{key}: expected images of the policy's input size [{h}, {w}, 3], got shape {image.shape} "
-                    f"(predict(..., resize=True) resizes other sizes with padding, as the training pipeline did)"
-                )
-            if image.dtype == np.uint8:
-                out[key] = image
-            elif np.issubdtype(image.dtype, np.floating) and image_range is not None:
-                lo, hi = image_range
-                if not np.isfinite(image).all() or image.min() < lo or image.max() > hi:
-                    raise ObservationError(f"{key}: values outside image_range={image_range} (or not finite)")
-                out[key] = np.round((image - lo) / (hi - lo) * 255.0).astype(np.uint8)
-            elif np.issubdtype(image.dtype, np.floating):
-                raise ObservationError(
-                    f"{key}: a {image.dtype} image needs predict(..., image_range=(lo, hi)) "
-                    f"naming its range; uint8 images are taken as they are"
-                )
-            else:
-                raise ObservationError(f"{key}: images must be uint8 (or float with image_range), got {image.dtype}")
-        if batch is None:
-            return out, None
-        tasks = tasks if batched.get("task") else [task] * batch
-        if len(tasks) != batch:
-            raise ObservationError(f"task: the observation has {batch} states but {len(tasks)} tasks")
-        return out, tasks
+        return check_raw_observation(
+            raw,
+            state_key=self.inputs.state_key,
+            cameras=self.inputs.camera_keys,
+            state_dim=self.state_dim,
+            image_size=self.image_size,
+            image_range=image_range,
+            resize=resize,
+            batched=batched,
+        )
 
     def preprocess(
         self, raw: Mapping[str, Any], *, image_range: tuple[float, float] | None = None, resize: bool = False
@@ -476,7 +352,6 @@ class PolicyBundle:
         mode = None if self._unnormalizer is None else self._unnormalizer.modes.get(key)
         stats = self.stats.get(key)
         mask = None if self._delta_action_mask is None else np.asarray(self._delta_action_mask, bool)
-        eps = 1e-8  # data.stats' default, which postprocess unnormalises with
 
         def to_model(actions, state):
             actions = jnp.asarray(actions, jnp.float32)
@@ -489,10 +364,6 @@ class PolicyBundle:
                 actions = actions.at[..., :dims].add(-offset[:, None, :])
             if mode is None:
                 return actions
-            const = lambda v: jnp.asarray(np.asarray(v, np.float32))  # noqa: E731
-            if mode == "mean_std":
-                return (actions - const(stats.mean)) / (const(stats.std) + eps)
-            low, high = (stats.min, stats.max) if mode == "min_max" else (stats.q01, stats.q99)
-            return jnp.clip(2.0 * (actions - const(low)) / (const(high) - const(low) + eps) - 1.0, -1.0, 1.0)
+            return normalize(actions, stats, mode, key=key, xp=jnp)  # as the training pipeline did, in the program
 
         return to_model
