@@ -26,7 +26,7 @@ from embodied_jax.paths import resolve_inside
 from embodied_jax.train import pretrained
 from embodied_jax.train.checkpoint import Checkpointer
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig
-from embodied_jax.train.loop import Runtime, build
+from embodied_jax.train.runtime import Runtime, build
 
 MODEL_STATE = "model_state"  # an exported policy's non-parameter model state (FP8 scales, ...)
 

@@ -182,7 +182,7 @@ class DemoConfig(ExperimentConfig):
     collect_noise: float | None = None
     # Hand positions as moves relative to the observed state (the task's position dims; grips
     # stay absolute): each step moves at most 3.5 cm, so normalised deltas resolve millimetres where
-    # absolute targets spread over the whole workspace (pick_place: 0% -> 53.9%, see README).
+    # absolute targets spread over the whole workspace (pick_place: 0% -> 53.9%, see docs/manipulation.md).
     delta_actions: bool = True
     # Tasks that train longer than ``train.steps`` (that factor times it): handover moves two arms
     # and was still improving at 6000 steps (in-training 0 / 22 / 53 / 59% at steps 1500-6000).
@@ -217,7 +217,7 @@ def check_reuse(config: DemoConfig, workdir: pathlib.Path) -> None:
     """Refuse a run directory made for another task or model: resuming its checkpoint or
     training on its dataset would report a policy that never saw this task."""
     from embodied_jax.sim.tasks import TASKS
-    from embodied_jax.train.loop import ConfigError
+    from embodied_jax.train.runtime import ConfigError
 
     dataset = workdir / "dataset"
     if dataset.is_dir() and any(dataset.iterdir()) and not (dataset / "meta" / "info.json").exists():

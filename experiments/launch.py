@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     config = parse(sys.argv[1:] if argv is None else argv)
 
     from embodied_jax.parallel.virtual_devices import use_virtual_devices
-    from embodied_jax.train.loop import ConfigError, NonFiniteLossError, Preempted, build, prepare, validate_outputs
+    from embodied_jax.train.loop import NonFiniteLossError, Preempted
+    from embodied_jax.train.runtime import ConfigError, build, prepare, validate_outputs
 
     try:
         if config.virtual_devices is not None:

@@ -54,7 +54,7 @@ def run_directory(config: MetaWorldConfig) -> pathlib.Path:
 def check_reuse(config: MetaWorldConfig, workdir: pathlib.Path) -> None:
     """Refuse a run directory made for other tasks: its dataset or checkpoint would report on them."""
     from embodied_jax.sim import metaworld
-    from embodied_jax.train.loop import ConfigError
+    from embodied_jax.train.runtime import ConfigError
 
     wanted = {"tasks": list(metaworld.parse_tasks(config.tasks)), "image": list(config.data.data.image_size)}
     record = workdir / RECORD

@@ -26,7 +26,7 @@ _UPSTREAM_OPT = dict(
 def pi05_model() -> Pi05Config:
     """The published π0.5 (3,353,433,872 parameters): float32 master weights, bfloat16 compute;
     the layer stacks keep only each attention's q, k, v and output for the backward pass (32
-    examples per device then fit an H200 with room to spare, see README's scale table)."""
+    examples per device then fit an H200 with room to spare, see docs/scaling.md's memory table)."""
     return Pi05Config(dtype="bfloat16", remat_policy="save_attention")
 
 

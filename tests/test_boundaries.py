@@ -278,7 +278,7 @@ def test_a_non_policy_model_config_is_a_config_error():
     import dataclasses
 
     from embodied_jax.train.config import ExperimentConfig
-    from embodied_jax.train.loop import ConfigError, validate
+    from embodied_jax.train.runtime import ConfigError, validate
 
     @dataclasses.dataclass(frozen=True)
     class NotAPolicy:

@@ -234,7 +234,7 @@ def test_gr00t_demo_prompts_tokenize_without_unknown_words(tmp_path):
         ids = tokens[mask]
         assert (ids != 0).all(), task.name  # id 0 is [UNK]
         assert (ids == model.image_token_id).sum() == len(GR00T_CAMERAS) * model.vision.num_patches
-    # The demo's measured best (README "Manipulation"): quantiles, and no dropout when training from scratch.
+    # The demo's measured best (docs/manipulation.md): quantiles, and no dropout when training from scratch.
     assert config.data.data.norm_modes == (("observation.state", "quantile"), ("action", "quantile"))
     assert config.model.action_head.dit.dropout == 0 and config.model.action_head.vl_self_attention.dropout == 0
     assert config.tokenizer == "qwen3_words"

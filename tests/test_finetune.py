@@ -55,7 +55,7 @@ def _leaves(tree) -> dict[str, np.ndarray]:
 def _converted(model_config, layout, tmp_path, seed: int = 7) -> tuple[str, dict[str, np.ndarray]]:
     """Random "pretrained" weights (every leaf N(0, 0.05²), so zero-initialised gates are open too)
     written in the upstream safetensors layout, then converted to an Orbax dir as ``--init-from`` reads."""
-    from embodied_jax.models.weights.common import export_checkpoint
+    from embodied_jax.models.weights.safetensors_io import export_checkpoint
 
     # one device: tiny dims do not divide over an 8-way FSDP axis, and saving 8 replicas costs seconds
     mesh = jax.make_mesh((1, 1, 1), MESH_AXES, devices=jax.devices()[:1])

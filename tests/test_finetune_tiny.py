@@ -1,4 +1,4 @@
-"""The README's fine-tuning recipe at laptop size: a collected dataset, converted weights, two flags.
+"""The fine-tuning recipe of docs/finetune.md at laptop size: a collected dataset, converted weights, two flags.
 
 The weights are converted as published ones would be (a random tiny model written in the
 upstream safetensors layout, then ``models.convert.to_orbax`` and the tokenizer copied in as
@@ -15,7 +15,7 @@ import pytest
 
 from embodied_jax.assets import write_assets
 from embodied_jax.models import convert
-from embodied_jax.models.weights.common import export_checkpoint
+from embodied_jax.models.weights.safetensors_io import export_checkpoint
 from embodied_jax.parallel.mesh import MESH_AXES
 from experiments import launch
 

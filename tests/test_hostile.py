@@ -23,8 +23,9 @@ from websockets.sync.client import connect
 from embodied_jax.bundle import NormStatsError, PolicyBundle
 from embodied_jax.serve import wire
 from embodied_jax.serve.client import PolicyClient, ServerError
+from embodied_jax.serve.config import ServeConfig
 from embodied_jax.serve.requests import MAX_ERROR_BYTES
-from embodied_jax.serve.server import PolicyServer, ServeConfig
+from embodied_jax.serve.server import PolicyServer
 from experiments.benchmarks.serve_load import silent_websocket
 
 SECRET_PATH = "/srv/models/secret/tokenizer.model"

@@ -24,7 +24,7 @@ from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.pi05 import Pi05Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.models.weights import openpi_pi05
-from embodied_jax.models.weights.common import WeightMismatchError, flatten_params
+from embodied_jax.models.weights.layout import WeightMismatchError, flatten_params
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 
 TSV = Path(__file__).resolve().parent / "data" / "openpi_pi05_params.tsv"

@@ -22,14 +22,8 @@ from test_pi05_reference import upstream_checkpoint
 
 from embodied_jax.models import convert
 from embodied_jax.models.pi05 import Pi05Config
-from embodied_jax.models.weights.common import (
-    CheckpointReader,
-    WeightMismatchError,
-    export_checkpoint,
-    flatten_params,
-    import_checkpoint,
-    plan,
-)
+from embodied_jax.models.weights.layout import WeightMismatchError, flatten_params, plan
+from embodied_jax.models.weights.safetensors_io import CheckpointReader, export_checkpoint, import_checkpoint
 from embodied_jax.models.weights.pi05 import PI05_LAYOUT
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
@@ -86,7 +80,7 @@ def abstract(config, mesh):
 def test_tiny_round_trip_is_bit_identical(tiny, mesh, tmp_path, scan, caplog):
     src, sd = tiny
     config = dataclasses.replace(TINY, scan_layers=scan)
-    with caplog.at_level(logging.INFO, logger="embodied_jax.models.weights.common"):
+    with caplog.at_level(logging.INFO, logger="embodied_jax.models.weights.safetensors_io"):
         params = import_checkpoint(src, PI05_LAYOUT, abstract(config, mesh), mesh=mesh)
     ignore_lines = [r.getMessage() for r in caplog.records if "ignore list" in r.getMessage()]
     assert len(ignore_lines) == 1 and EXPERT_LM_HEAD in ignore_lines[0]

@@ -42,7 +42,8 @@ from flax import nnx
 
 from embodied_jax.assets import write_assets
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
-from embodied_jax.models.weights.common import Layout, export_checkpoint, import_checkpoint
+from embodied_jax.models.weights.layout import Layout
+from embodied_jax.models.weights.safetensors_io import export_checkpoint, import_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)
 
     from embodied_jax import host_malloc, load_policy
-    from embodied_jax.serve.server import PolicyServer, ServeConfig
+    from embodied_jax.serve.config import ServeConfig
+    from embodied_jax.serve.server import PolicyServer
 
     host_malloc.return_large_buffers()  # clients' large messages go back to the kernel once answered
 

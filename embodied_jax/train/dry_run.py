@@ -30,7 +30,7 @@ from embodied_jax.parallel.mesh import axis_size, describe_mesh
 from embodied_jax.parallel.partition import describe_spec
 from embodied_jax.parallel.sharding import batch_shardings, data_parallel_size
 from embodied_jax.train import scaling
-from embodied_jax.train.loop import Runtime
+from embodied_jax.train.runtime import Runtime
 
 H200_BYTES = 141e9
 PEAK_BUFFERS_SHOWN = 12

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     from embodied_jax.data.packing import PackingConfig, pack_samples
     from embodied_jax.models.gr00t import Gr00tConfig
     from embodied_jax.models.pi05_inputs import stack_rows
-    from embodied_jax.train.loop import build, initial_state
+    from embodied_jax.train.runtime import build, initial_state
     from experiments.launch import parse
 
     config = parse(rest)

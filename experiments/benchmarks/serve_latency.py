@@ -91,7 +91,8 @@ class RunningServer:
     """A ``PolicyServer`` on its own event loop in a background thread."""
 
     def __init__(self, bundle, max_batch: int, batch_timeout_ms: float = 5.0, **limits):
-        from embodied_jax.serve.server import PolicyServer, ServeConfig
+        from embodied_jax.serve.config import ServeConfig
+        from embodied_jax.serve.server import PolicyServer
 
         config = ServeConfig(port=0, max_batch=max_batch, batch_timeout_ms=batch_timeout_ms, **limits)
         self.server = PolicyServer(bundle, config)

@@ -21,14 +21,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from embodied_jax.models.weights.common import (
-    LAYER,
-    CheckpointReader,
-    Layout,
-    Rule,
-    export_checkpoint,
-    import_checkpoint,
-)
+from embodied_jax.models.weights.layout import LAYER, Layout, Rule
+from embodied_jax.models.weights.safetensors_io import CheckpointReader, export_checkpoint, import_checkpoint
 
 LAYOUTS = ("lerobot", "nvidia")
 PREFIXES = {"lerobot": "_groot_model.", "nvidia": ""}

@@ -50,7 +50,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from embodied_jax.models.weights.common import LAYER, WeightMismatchError, _listing, flatten_params, unflatten_params
+from embodied_jax.models.weights.layout import LAYER, WeightMismatchError, flatten_params, format_names, unflatten_params
 from embodied_jax.models.weights.pi05 import PI05_LAYOUT
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def plan(config, leaf_shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[Move,
     problems += _shape_problems(checks)
     uncovered = sorted(k for k in set(leaf_shapes) - covered if not PI05_LAYOUT.is_model_only(k))
     if uncovered:
-        problems.append(f"no openpi leaf for: {_listing(uncovered)}")
+        problems.append(f"no openpi leaf for: {format_names(uncovered)}")
     if problems:
         raise ValueError("openpi layout does not fit the model:\n  " + "\n  ".join(problems))
     return planned
@@ -348,7 +348,7 @@ def check_checkpoint(ckpt: OpenpiCheckpoint, planned: list[tuple[Move, list[Slot
         lines = [f"openpi checkpoint {ckpt.path} does not match the model:"]
         for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
             if names:
-                lines.append(f"  {label} ({len(names)}): {_listing(names)}")
+                lines.append(f"  {label} ({len(names)}): {format_names(names)}")
         raise WeightMismatchError("\n".join(lines))
 
 
@@ -365,7 +365,7 @@ def import_params(src, config, abstract_params: Any, shardings: Any = None, *, m
     """Read openpi's params item at ``src`` into a nested dict of ``jax.Array`` like ``abstract_params``.
 
     ``config``: the ``Pi05Config`` the tree belongs to (openpi's shapes follow from it).
-    ``abstract_params``/``shardings``: as for ``common.import_checkpoint`` (nested dict or
+    ``abstract_params``/``shardings``: as for ``safetensors_io.import_checkpoint`` (nested dict or
     ``nnx.State`` of ``ShapeDtypeStruct``s; default sharding: each leaf's own, else the first
     device; shardings over an abstract mesh are placed on ``mesh``). LoRA leaves are left out.
     """

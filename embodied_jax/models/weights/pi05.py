@@ -9,7 +9,7 @@ holding ``language_model.embed_tokens.weight`` instead is accepted too. The acti
 
 from __future__ import annotations
 
-from embodied_jax.models.weights.common import Layout, Rule
+from embodied_jax.models.weights.layout import Layout, Rule
 
 T = (1, 0)  # torch Linear [out, in] -> our kernel [in, out]
 CONV = (2, 3, 1, 0)  # torch Conv2d [out, in, kh, kw] -> our [kh, kw, in, out]
