@@ -103,3 +103,12 @@ def test_matmul_floor_times_each_distinct_matmul_per_execution():
     assert report["matmul_floor_flops"] == dot_flops(hlo)
     assert report["matmul_floor_s"] == sum(row["s"] for row in report["matmul_floor_top"])
     assert {row["count"] for row in report["matmul_floor_top"]} == {1, 5}
+
+
+def test_alternate_calls_every_variant_once_per_round_in_order():
+    from experiments.benchmarks.harness import alternate
+
+    calls = []
+    times = alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=2)
+    assert calls == ["a", "b"] * 5
+    assert {name: (len(t["wall"]), len(t["cpu"])) for name, t in times.items()} == {"a": (3, 3), "b": (3, 3)}

@@ -3,7 +3,7 @@
 Times train steps of configuration variants of one experiment against each other in one
 process: each variant (the experiment's overrides, e.g. ``--variant "" --variant
 "--model.no-scan-layers"``) is built and compiled as ``train_step`` builds it (``compile_step``), then one step of each
-runs in turn for ``--rounds`` rounds after a warm-up round. A change of this machine's speed,
+runs in turn for ``--rounds`` rounds after a warm-up round (``harness.alternate``). A change of this machine's speed,
 which moves single runs by ±20% on a shared 2-core CPU, then hits every variant alike.
 
 Prints per variant the median and first quartile of the step's seconds and of the process's
@@ -17,9 +17,6 @@ import json
 import shlex
 import statistics
 import sys
-import time
-
-import jax
 
 from embodied_jax.cli import run_main
 from embodied_jax.errors import InputError
@@ -35,23 +32,26 @@ def main(argv: list[str] | None = None) -> dict:
     if len(args.variant) < 2:
         raise InputError("compare_steps: give at least two --variant (use --variant '' for the experiment as is)")
 
+    from experiments.benchmarks.harness import alternate
     from experiments.benchmarks.train_step import compile_step
     from experiments.launch import parse
+
+    def one_step(run):
+        def step():
+            built = run["built"]
+            with built.runtime.context():
+                run["state"], metrics = built.step(run["state"], built.batches[0])
+            return metrics
+
+        return step
 
     runs = []
     for variant in args.variant:
         built = compile_step(parse([args.experiment, *shlex.split(variant)]), num_batches=1)
-        runs.append({"built": built, "state": built.state, "wall": [], "cpu": []})
-    for round_ in range(args.rounds + 1):
-        for run in runs:
-            built = run["built"]
-            with built.runtime.context():
-                wall, cpu = time.perf_counter(), time.process_time()
-                run["state"], metrics = built.step(run["state"], built.batches[0])
-                jax.block_until_ready(metrics)
-            if round_:  # round 0 warms up
-                run["wall"].append(time.perf_counter() - wall)
-                run["cpu"].append(time.process_time() - cpu)
+        runs.append({"built": built, "state": built.state})
+    times = alternate({i: one_step(run) for i, run in enumerate(runs)}, rounds=args.rounds, warmup=1)
+    for i, run in enumerate(runs):
+        run.update(times[i])
     base = statistics.median(runs[0]["wall"])
     result = {"experiment": args.experiment, "rounds": args.rounds, "variants": []}
     for variant, run in zip(args.variant, runs, strict=True):

@@ -37,12 +37,12 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 
 import numpy as np
 
 from embodied_jax import host_malloc
 from embodied_jax.cli import run_main
+from experiments.benchmarks.harness import alternate, compile_train_step
 
 CAMERAS = {
     "pi05": ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"),
@@ -164,34 +164,30 @@ def gr00t_samples(model, mixture, rng):
     return padded, packed
 
 
-def compile_step(rt, state, batches):
-    """Compiled train step of these batches (one shape) and the batches on the mesh."""
-    from embodied_jax.parallel.sharding import global_batch
-
-    device = [global_batch(b, rt.mesh, rt.rules) for b in batches]
-    t0 = time.perf_counter()
-    compiled = rt.step_function(device[0]).lower(state, device[0]).compile()
-    return compiled, device, time.perf_counter() - t0
-
-
 def time_interleaved(state, layouts: dict, warmup: int, rounds: int):
     """Median seconds per step of each layout, their steps alternating (``rounds`` passes over
-    every layout's batches), so a change of the machine's load hits both alike. The step
-    donates its state: each call continues from the state the previous one returned."""
-    import jax
+    every layout's batches: ``harness.alternate``). The step donates its state: each call
+    continues from the state the previous one returned."""
+    holder, loss = {"state": state}, {}
 
-    times = {name: [] for name in layouts}
-    loss = {}
-    for r in range(warmup + rounds):
-        for name, (compiled, device) in layouts.items():
-            for batch in device:
-                t = time.perf_counter()
-                state, metrics = compiled(state, batch)
-                jax.block_until_ready(metrics)
-                if r >= warmup:
-                    times[name].append(time.perf_counter() - t)
-                loss[name] = float(metrics["loss"])
-    return {name: statistics.median(t) for name, t in times.items()}, loss, state
+    def step(name, compiled, batch):
+        def run():
+            holder["state"], metrics = compiled(holder["state"], batch)
+            loss[name] = metrics["loss"]
+            return metrics
+
+        return run
+
+    steps = {
+        (name, i): step(name, compiled, batch)
+        for name, (compiled, device) in layouts.items()
+        for i, batch in enumerate(device)
+    }
+    times = alternate(steps, rounds=rounds, warmup=warmup)
+    medians = {
+        name: statistics.median(t for (n, _), v in times.items() if n == name for t in v["wall"]) for name in layouts
+    }
+    return medians, {name: float(v) for name, v in loss.items()}, holder["state"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -308,8 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     rt = build(config)
     with rt.context():
         state = initial_state(rt)
-        padded_step, padded_device, padded_compile = compile_step(rt, state, padded_batches)
-        packed_step, packed_device, packed_compile = compile_step(rt, state, packed_batches)
+        padded_step, padded_device, padded_compile = compile_train_step(rt, state, padded_batches)
+        packed_step, packed_device, packed_compile = compile_train_step(rt, state, packed_batches)
         medians, loss, state = time_interleaved(
             state,
             {"padded": (padded_step, padded_device), "packed": (packed_step, packed_device)},

@@ -94,17 +94,14 @@ class CompiledStep:
 def compile_step(config, num_batches: int = 2) -> CompiledStep:
     """Build the run of ``config`` (an ``ExperimentConfig``) as the launcher does and compile
     its train step for ``num_batches`` synthetic batches of the step's shapes."""
-    from embodied_jax.parallel.sharding import global_batch
-    from embodied_jax.train.loop import build, initial_state
+    from embodied_jax.train.runtime import build, initial_state
+    from experiments.benchmarks.harness import compile_train_step
 
     rt = build(config)
     host = [config.model.synthetic_batch(config.train.batch_size, seed=i) for i in range(num_batches)]
     with rt.context():
         state = initial_state(rt)
-        batches = [global_batch(b, rt.mesh, rt.rules) for b in host]
-        t0 = time.perf_counter()
-        compiled = rt.step_function(batches[0]).lower(state, batches[0]).compile()
-        compile_s = time.perf_counter() - t0
+        compiled, batches, compile_s = compile_train_step(rt, state, host)
     return CompiledStep(rt, compiled, state, host, batches, compile_s)
 
 
