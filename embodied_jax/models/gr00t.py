@@ -51,6 +51,7 @@ from embodied_jax.models.gr00t_layout import vl_layout
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn import flow, rtc
+from embodied_jax.nn.block_sparse import BlockSparseTiling
 from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
@@ -129,7 +130,9 @@ class Gr00tConfig(PolicyConfig):
     asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
     embodiment_id: int = 31  # the data's embodiment slot (upstream "new_embodiment" = 31 for a new robot)
     flow_samples_per_obs: int = 1  # K (noise, time) draws per observation share one backbone pass (upstream: 1)
-    ADDED_FIELDS = ("flow_samples_per_obs",)  # runs saved before it read back with 1 (config_registry)
+    block_sparse_tiling: BlockSparseTiling | None = None  # packed rows' attention (None: the platform's)
+    # Runs saved before these fields read back with 1 draw and the platform's tiling (config_registry).
+    ADDED_FIELDS = ("flow_samples_per_obs", "block_sparse_tiling")
 
     def __post_init__(self):
         head, llm = self.action_head, self.llm

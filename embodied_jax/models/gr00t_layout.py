@@ -64,7 +64,7 @@ def _packed_layout(config, obs, tokens) -> dict:
     rows = jnp.repeat(jnp.arange(r, dtype=jnp.int32), m)
     dit_q = jnp.where(present, ids[None], 0).reshape(-1)
     longest = config.max_token_len
-    bounds = SegmentBounds(max_segments=m, max_q_len=longest, max_kv_len=longest)
+    bounds = SegmentBounds(max_segments=m, max_q_len=longest, max_kv_len=longest, tiling=config.block_sparse_tiling)
     return dict(
         tokens=tokens,
         positions=jnp.asarray(obs["positions"], jnp.int32),

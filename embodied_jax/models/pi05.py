@@ -48,7 +48,7 @@ from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
 from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.attention import mask_positions
-from embodied_jax.nn.block_sparse import SegmentBounds
+from embodied_jax.nn.block_sparse import BlockSparseTiling, SegmentBounds
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import fill_image_tokens, sincos_embedding
 from embodied_jax.nn.lora import LORA_FREEZE_REGEX, LoRAConfig
@@ -86,6 +86,7 @@ class Pi05Config(PolicyConfig):
     dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
     param_dtype: str = "float32"
     attention_impl: str = "auto"
+    block_sparse_tiling: BlockSparseTiling | None = None  # packed rows' attention (None: the platform's)
     scan_layers: bool = True
     remat_policy: str = "none"
     fp8: str = "none"
@@ -94,6 +95,7 @@ class Pi05Config(PolicyConfig):
     synthetic_prompt_len: int = 0  # real prompt tokens per synthetic sample (0: a quarter of max_token_len)
     tokenizer_path: str | None = None  # local SentencePiece model (PaliGemma's tokenizer.model)
     asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
+    ADDED_FIELDS = ("block_sparse_tiling",)  # runs saved before it read back with the platform's (config_registry)
 
     def __post_init__(self):
         if not self.expert.use_adarms:
@@ -287,7 +289,8 @@ class Pi05Policy(nnx.Module):
                 raise KeyError(f"π0.5: packed batch lacks {missing}")
             present = jnp.asarray(batch["sample_mask"], bool)
             m = present.shape[1]
-            bounds = SegmentBounds(max_segments=m, max_q_len=config.max_prefix_len, max_kv_len=config.max_prefix_len)
+            longest = config.max_prefix_len
+            bounds = SegmentBounds(m, longest, longest, tiling=config.block_sparse_tiling)
             prefix = lambda policy: policy.embed_packed_prefix(batch)  # noqa: E731
         else:
             missing = [c for c in config.camera_names if c not in batch["images"]]

@@ -2,52 +2,16 @@
 
 The portable (XLA, any backend) form of the project's attention rule for packed rows: query
 token i attends key token j iff ``q_seg[i] == kv_seg[j] != 0 and kv_block[j] <= q_block[i]``.
-A dense mask over a packed row costs rows x rows however many samples share it; here the
-cost is the sum over segments of (query blocks) x (key blocks) of that segment.
-
-Layout. Each side (queries; keys/values) is rearranged into a *virtual* row where tokens
-are grouped by segment (a stable sort, so a segment split into several runs, e.g. a
-cached prefix followed by its suffix, becomes one run) and every segment starts at a
-block boundary; padding tokens are dropped. Static sizes come from ``SegmentBounds``
-(what the packing config guarantees): with at most R segments per row the virtual row
-needs ``min(T, (T + R (b - 1)) // b)`` blocks, and a query block needs at most
-``ceil(max_kv_len / b)`` key blocks, those of its own segment's run.
-
-Compute. Queries go in *tiles*: consecutive query blocks of one segment's run, about 512
-rows of logits per key head (``_TILE_ROWS``: eight blocks of 64 with one query head per key
-head, four with two, one with eight; 1024 rows when there are no block ids and one query head
-per key head, so every query sees its whole segment and a whole sample fits a tile), never more
-blocks than the longest run, the last tile of a run moved back to end with it (overlapping
-its predecessor, whose rows it recomputes). A tile needs the key blocks of its segment's run
-up to the last one holding a key it can see (a causal tile: those up to its last row; a
-short sample's: its own few). Every row's tiles are sorted by that need, neediest first, and
-dealt to two independent loops, one tile per step (or four one-block tiles where a block
-alone has 512 rows: π0.5's 8 query heads over 1). Inside a step a loop with a data-dependent
-trip count takes a chunk of key blocks at a time (about 512 x 256 logits per key head: four
-blocks of 64 for a 512-row tile, two for 1024 rows), a contiguous slice of the keys'
-heads-major layout ([B, K, slots, H]: no gather, no transposed copy), with an online softmax.
-All of a tile's rows share each key chunk, so a loop step is a few large matmuls (tile rows x
-key chunk per key head) rather than one per query block. The loops have their own VJP with
-flash attention's arithmetic: the forward pass keeps each query's log-sum-exp, the backward
-pass recomputes the probabilities from it (no softmax to differentiate, none stored) and sums
-a tile's key and value gradients in a buffer of one key run (transposed, [K, H, run]: the
-probabilities need no transposed copy) that is then added into the layout's. The outputs are
-gathered back to the original token order (zeros where a query sees no key).
-
-Cost: the visible block pairs, rounded up to whole tiles and key chunks (for GR00T's
-300-900-token samples about 1.6 times their real query-key pairs in its bidirectional
-adapter, counted from the tile and chunk sizes, and 2.2 in its causal LLM, XLA's count of
-the loops in the packed ``gr00t_bench`` step), against B x L^2 for the same samples padded
-to L. Memory: the virtual layouts (O(T)) and one loop step's logits. On a CPU each op of a
-loop step has a fixed cost, so finer tiles or chunks (less rounding) do not pay, and XLA:CPU
-splits a matmul between the cores by its rows: a tile of 256 rows per key head ran its
-matmuls at about half the rate of one of 512 (GR00T's VL adapter, 8 query heads over 8: its
-attention 1.3x faster with 512, and another 1.09-1.13x with whole-sample tiles of up to 896
-rows and key chunks of 128).
-
-Everything is gathers, einsums and exponentials, so XLA compiles it on CPU and GPU. The
-bounds must hold: a row with more segments than ``max_segments`` or a segment longer than
-its bound loses keys or queries silently (the packer and the model configs guarantee them).
+Each side is rearranged into a virtual row where tokens are grouped by segment (a stable sort)
+and every segment starts at a block boundary; static sizes come from ``SegmentBounds`` (what
+the packing config guarantees). Queries go in tiles of consecutive blocks of one segment's run,
+dealt to parallel loops; each loop step takes chunks of its segment's key blocks with an online
+softmax, and the loops have flash attention's VJP (the log-sum-exp kept, the probabilities
+recomputed). How large tiles and chunks are is ``BlockSparseTiling`` (a model config field;
+per-platform defaults). The bounds must hold: a row with more segments than ``max_segments`` or
+a segment longer than its bound loses keys or queries silently (the packer and the model
+configs guarantee them). ``docs/packing.md`` has the layout in full, the cost model and the
+measurements behind the tiling defaults.
 """
 
 from __future__ import annotations
@@ -60,19 +24,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from embodied_jax.config_registry import register
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class BlockSparseTiling:
+    """How the work is cut (``docs/packing.md`` has the measurements behind the defaults, taken on a
+    2-core XLA:CPU): a tile has about ``tile_rows`` rows of logits per key head (at most
+    ``max_tile_blocks`` query blocks), or ``whole_tile_rows`` / ``max_whole_tile_blocks`` when
+    every query sees its whole segment and each query head has its own key head; a loop step takes
+    up to ``step_blocks`` query blocks and key chunks of about ``step_logits`` logits per key head
+    (at most ``key_blocks_per_step`` blocks); steps are dealt to ``parallel_loops`` loops."""
+
+    tile_rows: int = 512
+    max_tile_blocks: int = 8
+    whole_tile_rows: int = 1024
+    max_whole_tile_blocks: int = 16
+    step_blocks: int = 4
+    step_logits: int = 512 * 256
+    key_blocks_per_step: int = 4
+    parallel_loops: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < 1:
+                raise ValueError(f"BlockSparseTiling.{field.name} must be >= 1, got {getattr(self, field.name)}")
+
+
+# Per platform (``jax.default_backend()``): only XLA:CPU has been measured; other platforms take
+# the same until a benchmark on them says otherwise (``experiments/benchmarks/packing.py``).
+PLATFORM_TILING = {"cpu": BlockSparseTiling()}
+
+
+def default_tiling(platform: str | None = None) -> BlockSparseTiling:
+    """The tiling of ``platform`` (default: the backend JAX runs on)."""
+    return PLATFORM_TILING.get(platform or jax.default_backend(), BlockSparseTiling())
+
 
 @dataclasses.dataclass(frozen=True)
 class SegmentBounds:
     """Static facts about packed rows that size the block-sparse computation.
 
     ``max_segments``: segments per row (either side); ``max_q_len`` / ``max_kv_len``: the
-    longest query / key segment (tokens); ``block_size``: tokens per block.
+    longest query / key segment (tokens); ``block_size``: tokens per block; ``tiling``: how the
+    work is cut (None: the platform's ``default_tiling``).
     """
 
     max_segments: int
     max_q_len: int
     max_kv_len: int
     block_size: int = 64
+    tiling: BlockSparseTiling | None = None
 
     def __post_init__(self):
         for name in ("max_segments", "max_q_len", "max_kv_len", "block_size"):
@@ -130,6 +133,7 @@ def block_sparse_attention(
     q, k, v, q_segment_ids, kv_segment_ids, q_block_ids, kv_block_ids, *, scale: float, bounds: SegmentBounds
 ):
     """q [B, T, N, H]; k, v [B, S, K, H]; ids [B, T] / [B, S] (block ids may be None = zeros)."""
+    tiling = bounds.tiling or default_tiling()
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     g = n // kv_heads
@@ -141,8 +145,8 @@ def block_sparse_attention(
     # without block ids every query sees its whole segment: no causal waste in a large tile
     whole = q_block_ids is None and kv_block_ids is None
     run_blocks = math.ceil(min(bounds.max_q_len, t) / bq)  # of the longest query run
-    tq = _tile_blocks(run_blocks, g, bq, whole)  # query blocks per tile
-    ck = _chunk_blocks(c, g * tq * bq, bk)  # key blocks per inner step
+    tq = _tile_blocks(run_blocks, g, bq, whole, tiling)  # query blocks per tile
+    ck = _chunk_blocks(c, g * tq * bq, bk, tiling)  # key blocks per inner step
     # tiles per row: a run of n blocks has ceil(n / tq) of them
     nt = min(virtual_blocks(t, r, tq * bq), r * -(-run_blocks // tq))
     q_seg = jnp.asarray(q_segment_ids, jnp.int32)
@@ -211,11 +215,12 @@ def block_sparse_attention(
     trips = (need + ck - 1) // ck
 
     # Steps: every row's tiles, most key chunks first, qb tiles per step (one tile of four or
-    # more query blocks, or four of one when a block alone has ``_TILE_ROWS`` rows), the steps
+    # more query blocks, or four of one when a block alone has ``tile_rows`` rows), the steps
     # dealt round-robin to the parallel loops.
     total = b * nt
-    qb = max(1, min(total, _STEP_BLOCKS // tq))
-    steps = -(-total // (qb * _PARALLEL_LOOPS)) * _PARALLEL_LOOPS * qb  # tiles in all steps
+    loops = tiling.parallel_loops
+    qb = max(1, min(total, tiling.step_blocks // tq))
+    steps = -(-total // (qb * loops)) * loops * qb  # tiles in all steps
     order = jnp.argsort(-trips.reshape(-1), stable=True).astype(jnp.int32)
     order = jnp.concatenate([order, jnp.full((steps - total,), total, jnp.int32)])  # pad: an empty tile
 
@@ -235,7 +240,7 @@ def block_sparse_attention(
         sorted_steps(first * bk),
         sorted_steps(trips),
     )
-    out = _attend(tile, keys, (ck * bk, span))  # [steps / qb, qb, K, G, tq·bq, H]
+    out = _attend(tile, keys, (ck * bk, span, loops))  # [steps / qb, qb, K, G, tq·bq, H]
     out = out.reshape(steps, kv_heads, g, tile_rows, h).transpose(0, 3, 1, 2, 4).reshape(steps * tile_rows, n, h)
     out = jnp.concatenate([out, jnp.zeros((1, n, h), out.dtype)])
 
@@ -248,45 +253,25 @@ def block_sparse_attention(
     return out[where[rows, ql.dest]].astype(q.dtype)  # padding tokens (dest jq·bq) -> the zero row
 
 
-def _tile_blocks(query_blocks: int, group: int, block: int, whole: bool) -> int:
-    """Query blocks per tile: about ``_TILE_ROWS`` rows of logits per key head (``group`` query
-    heads share one; ``_WHOLE_TILE_ROWS`` when queries see whole segments and ``group`` is 1),
-    at most ``_MAX_TILE_BLOCKS`` (``_MAX_WHOLE_TILE_BLOCKS``) and the blocks of the longest run."""
+def _tile_blocks(
+    query_blocks: int, group: int, block: int, whole: bool, tiling: BlockSparseTiling | None = None
+) -> int:
+    """Query blocks per tile: about ``tile_rows`` rows of logits per key head (``group`` query
+    heads share one; ``whole_tile_rows`` when queries see whole segments and ``group`` is 1),
+    at most ``max_tile_blocks`` (``max_whole_tile_blocks``) and the blocks of the longest run."""
+    tiling = tiling or BlockSparseTiling()
     large = whole and group == 1
-    rows, most = (_WHOLE_TILE_ROWS, _MAX_WHOLE_TILE_BLOCKS) if large else (_TILE_ROWS, _MAX_TILE_BLOCKS)
+    rows = tiling.whole_tile_rows if large else tiling.tile_rows
+    most = tiling.max_whole_tile_blocks if large else tiling.max_tile_blocks
     return max(1, min(query_blocks, most, rows // (group * block)))
 
 
-def _chunk_blocks(key_blocks: int, rows: int, block: int) -> int:
-    """Key blocks per inner step: about ``_STEP_LOGITS`` logits per key head for a tile of
-    ``rows`` rows per key head, at most ``_KEY_BLOCKS_PER_STEP``."""
-    return max(1, min(key_blocks, _KEY_BLOCKS_PER_STEP, _STEP_LOGITS // (rows * block)))
+def _chunk_blocks(key_blocks: int, rows: int, block: int, tiling: BlockSparseTiling) -> int:
+    """Key blocks per inner step: about ``step_logits`` logits per key head for a tile of
+    ``rows`` rows per key head, at most ``key_blocks_per_step``."""
+    return max(1, min(key_blocks, tiling.key_blocks_per_step, tiling.step_logits // (rows * block)))
 
 
-# A tile's logits per key head have about this many rows: XLA:CPU's matmuls split their rows
-# between the cores, and [256, 64] x [64, 256] per head ran at half the rate of [512, 64] x
-# [64, 256] (101 against 176 GFLOP/s); little waste at the end of a segment's run.
-_TILE_ROWS = 512
-_MAX_TILE_BLOCKS = 8
-# With whole segments visible a larger tile wastes nothing on a causal diagonal: a whole
-# sample per tile (GR00T's adapter, samples up to 14 blocks), with key chunks of 128, ran its
-# attention 1.09-1.13x faster than 512-row tiles with chunks of 256; a causal LLM's forward
-# ran 1.3-1.4x slower with such tiles. With grouped heads a block already has G x 64 rows and
-# 1024 rows hold two blocks, no whole sample: π0.5's prefix (8 query heads over 1) ran one
-# layer's attention 1.09x faster with the 512-row tiles and 256-key chunks of the general case.
-_WHOLE_TILE_ROWS = 1024
-_MAX_WHOLE_TILE_BLOCKS = 16
-# Query blocks per loop step: one tile, or several small tiles side by side (their key chunks
-# concatenated: more tiles per step measured slower).
-_STEP_BLOCKS = 4
-# Key blocks per inner step: a step's logits ([K, G, tile rows, ck·bk]) still fit in cache,
-# about 512 x 256 per key head (chunks of 256 keys for 512-row tiles, 128 for 1024).
-_STEP_LOGITS = 512 * 256
-_KEY_BLOCKS_PER_STEP = 4
-# Steps are dealt round-robin to this many independent loops. They helped when a step's ops
-# were small; with 512-row tiles one op keeps both cores busy and XLA:CPU's profile shows one op
-# at a time: one loop and two measured the same (GR00T's adapter and LLM, π0.5's prefix).
-_PARALLEL_LOOPS = 2
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
@@ -364,14 +349,14 @@ def _tile_forward(tile, keys, sizes):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _attend(tile, keys, sizes: tuple[int, int]):
+def _attend(tile, keys, sizes: tuple[int, int, int]):
     """Every step's tiles [steps, qb, K, G, rows, H] against their key runs; ``sizes``: key
-    slots per chunk and at most per run."""
+    slots per chunk, at most per run, and the parallel loops."""
     return _attend_fwd(tile, keys, sizes)[0]
 
 
-def _deal(tree, i):  # loop i's steps: i, i + P, i + 2P, ...
-    return jax.tree.map(lambda x: x[i::_PARALLEL_LOOPS], tree)
+def _deal(tree, i, loops):  # loop i's steps: i, i + P, i + 2P, ...
+    return jax.tree.map(lambda x: x[i::loops], tree)
 
 
 def _gather_back(parts):  # [steps / P, ...] per loop -> [steps, ...] in step order
@@ -379,7 +364,8 @@ def _gather_back(parts):  # [steps / P, ...] per loop -> [steps, ...] in step or
 
 
 def _attend_fwd(tile, keys, sizes):
-    parts = [jax.lax.map(lambda a: _tile_forward(a, keys, sizes), _deal(tile, i)) for i in range(_PARALLEL_LOOPS)]
+    loops = sizes[2]
+    parts = [jax.lax.map(lambda a: _tile_forward(a, keys, sizes[:2]), _deal(tile, i, loops)) for i in range(loops)]
     out, lse = _gather_back([p[0] for p in parts]), _gather_back([p[1] for p in parts])
     return out.astype(tile[0].dtype), (tile, keys, out, lse)
 
@@ -387,7 +373,7 @@ def _attend_fwd(tile, keys, sizes):
 def _attend_bwd(sizes, residuals, g_out):
     tile, keys, out, lse = residuals
     k_l, v_l = keys[0], keys[1]
-    width, span = sizes
+    width, span, loops = sizes
 
     # A tile's key and value gradients gather in buffers of its run's size ([K, H, span],
     # transposed: the probabilities need no transposed copy), added to the layout's after its
@@ -418,7 +404,7 @@ def _attend_bwd(sizes, residuals, g_out):
 
     transposed = (*k_l.shape[:2], k_l.shape[3], k_l.shape[2])  # [B, K, H, slots]
     zero = (jnp.zeros(transposed, jnp.float32), jnp.zeros(transposed, jnp.float32))
-    parts = [jax.lax.scan(step, zero, _deal((tile, out, lse, g_out), i)) for i in range(_PARALLEL_LOOPS)]
+    parts = [jax.lax.scan(step, zero, _deal((tile, out, lse, g_out), i, loops)) for i in range(loops)]
     dk, dv = (sum(p[0][i] for p in parts).swapaxes(2, 3) for i in (0, 1))
     dq = _gather_back([p[1] for p in parts])
     float0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
