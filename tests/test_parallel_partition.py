@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from embodied_jax.parallel import partition
-from embodied_jax.parallel.hlo import collective_stats
+from embodied_jax.parallel.hlo_collectives import collective_stats
 from embodied_jax.parallel.mesh import MeshConfig, abstract_mesh, axis_parts, axis_size, describe_mesh, make_mesh
 from embodied_jax.parallel.rules import PRESETS, RulesError, ShardingRules, parse_rules, with_overrides
 from embodied_jax.parallel.virtual_devices import VirtualDevicesError, use_virtual_devices
@@ -137,13 +137,13 @@ def test_collectives_from_hlo_count_loop_trips_and_axes():
 
 
 def test_collective_group_formats():
-    from embodied_jax.parallel import hlo
+    from embodied_jax.parallel.hlo_collectives import _first_group
 
-    assert hlo._first_group("replica_groups={{0,2},{1,3}}", 4) == [0, 2]
-    assert hlo._first_group("replica_groups=[2,4]<=[8]", 8) == [0, 1, 2, 3]
-    assert hlo._first_group("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [0, 4]
-    assert hlo._first_group("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", 8) == [0, 1]
-    assert hlo._first_group("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", 8) == [
+    assert _first_group("replica_groups={{0,2},{1,3}}", 4) == [0, 2]
+    assert _first_group("replica_groups=[2,4]<=[8]", 8) == [0, 1, 2, 3]
+    assert _first_group("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [0, 4]
+    assert _first_group("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", 8) == [0, 1]
+    assert _first_group("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", 8) == [
         0,
         2,
         4,

@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.pi05 import Pi05Config
 from embodied_jax.models.siglip import SiglipConfig
-from embodied_jax.models.weights.safetensors_io import import_checkpoint
 from embodied_jax.models.weights.pi05 import PI05_LAYOUT
+from embodied_jax.models.weights.safetensors_io import import_checkpoint
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
 

@@ -17,8 +17,8 @@ from embodied_jax.models.gr00t import Gr00tConfig
 from embodied_jax.models.gr00t_action_head import ActionHeadConfig
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
-from embodied_jax.models.weights.layout import WeightMismatchError, flatten_params, plan, unflatten_params
 from embodied_jax.models.weights.gr00t_n15 import detect_layout, export_params, import_params, make_layout
+from embodied_jax.models.weights.layout import WeightMismatchError, flatten_params, plan, unflatten_params
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
 

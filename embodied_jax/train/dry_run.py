@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from embodied_jax.config_registry import to_dict
-from embodied_jax.parallel.hlo import collective_stats, compile_with_dumps, dot_flops, peak_buffers
+from embodied_jax.parallel.hlo import compile_with_dumps, dot_flops, peak_buffers
+from embodied_jax.parallel.hlo_collectives import collective_stats
 from embodied_jax.parallel.mesh import axis_size, describe_mesh
 from embodied_jax.parallel.partition import describe_spec
 from embodied_jax.parallel.sharding import batch_shardings, data_parallel_size

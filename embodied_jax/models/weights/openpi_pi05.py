@@ -50,7 +50,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from embodied_jax.models.weights.layout import LAYER, WeightMismatchError, flatten_params, format_names, unflatten_params
+from embodied_jax.models.weights.layout import (
+    LAYER,
+    WeightMismatchError,
+    flatten_params,
+    format_names,
+    unflatten_params,
+)
 from embodied_jax.models.weights.pi05 import PI05_LAYOUT
 
 log = logging.getLogger(__name__)
