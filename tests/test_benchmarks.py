@@ -112,3 +112,24 @@ def test_alternate_calls_every_variant_once_per_round_in_order():
     times = alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=2)
     assert calls == ["a", "b"] * 5
     assert {name: (len(t["wall"]), len(t["cpu"])) for name, t in times.items()} == {"a": (3, 3), "b": (3, 3)}
+
+
+def test_performance_doc_holds_the_tables_the_recorded_results_give():
+    """docs/performance.md's recorded tables are generated (``python -m experiments.benchmarks.report``)."""
+    from experiments.benchmarks import report
+
+    assert report.main(["--check"]) == 0
+
+
+def test_a_recorded_row_names_its_commit_machine_and_command(tmp_path, monkeypatch):
+    from experiments.benchmarks import harness, report
+
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
+    harness.record("toy_bench", {"speedup": 1.5, "nested": {"p99_ms": 12.0}, "note": "x"}, ["--rounds", "2"], tmp_path)
+    harness.record("toy_bench", {"speedup": 1.7}, ["--rounds", "2"], tmp_path)  # same configuration: the latest wins
+    rows = report.latest_runs(tmp_path)["toy_bench"]
+    assert len(rows) == 1 and rows[0]["result"] == {"speedup": 1.7}
+    assert rows[0]["command"] == "python -m experiments.benchmarks.toy_bench --rounds 2" and rows[0]["date"]
+    table = report.render(tmp_path)
+    assert "| `python -m experiments.benchmarks.toy_bench --rounds 2` | speedup 1.7 |" in table
+    assert "test cpu, 2 cores, cpu" in table

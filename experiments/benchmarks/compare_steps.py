@@ -18,8 +18,8 @@ import shlex
 import statistics
 import sys
 
-from embodied_jax.cli import run_main
 from embodied_jax.errors import InputError
+from experiments.benchmarks import harness
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,4 +71,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "compare_steps"))  # --record: the result appended to results/compare_steps.jsonl

@@ -20,11 +20,11 @@ import time
 
 import numpy as np
 
-from embodied_jax.cli import run_main
 from embodied_jax.data.convert import convert
 from embodied_jax.data.pipeline import DataConfig, SourceConfig, make_data_iterator
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.writer import write_lerobot_dataset
+from experiments.benchmarks import harness
 
 EPISODES, FRAMES, SIZE = 10, 200, 224
 
@@ -84,7 +84,7 @@ def measure(config: DataConfig, batches: int, warmup: int = 3) -> tuple[float, f
         return batches * 8 / wall, 1000 * cpu / (batches * 8)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", help="where to keep the generated dataset and store (default: a temp dir)")
     parser.add_argument("--batches", type=int, default=40, help="timed batches per configuration")
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         ratio = results["frame store", workers] / results["raw video", workers]
         print(f"frame store / raw video, workers={workers}: {ratio:.2f}x")
     print("reference (LeRobot loader, 2-core machine): ~110 samples/s with 0 workers, ~165 with 2")
+    return {f"{path}, workers={workers}": rate for (path, workers), rate in results.items()}
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "data_throughput"))  # --record: the result appended to results/data_throughput.jsonl

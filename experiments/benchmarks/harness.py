@@ -1,20 +1,36 @@
-"""What the benchmarks share: compiling a run's train step for given batches, and timing variants
-in alternation in one process.
+"""What the benchmarks share: compiling a run's train step for given batches, timing variants in
+alternation in one process, and recording results as data.
 
 - ``compile_train_step(rt, state, batches)``: the batches placed on the run's mesh and its train
   step compiled for their shape (one real compile, timed).
 - ``alternate(steps, rounds=, warmup=)``: each variant's ``step()`` in turn, round after round, so
   a change of the machine's load (single runs move by about ±20% on a shared 2-core CPU) hits
   every variant alike; the wall and process-CPU seconds of each timed call.
+- ``run(main, benchmark)``: a benchmark's command line (``run_main``'s conventions); with
+  ``--record`` its result (what ``main`` returns) is appended as one JSON line, with the commit,
+  the date, the machine (CPU model, cores, backend, measured float32 matmul rate) and the command,
+  to ``experiments/benchmarks/results/<benchmark>.jsonl``. Tests call ``main`` and never record.
+  ``python -m experiments.benchmarks.report`` turns those files into ``docs/performance.md``'s
+  recorded tables.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+_RECORD_ENV = "EMBODIED_JAX_BENCHMARK_RECORD"  # survives the command line's one re-exec (host_malloc)
 
 
 def compile_train_step(rt: Any, state: Any, batches: list) -> tuple[Any, list, float]:
@@ -39,3 +55,78 @@ def alternate(steps: dict[str, Callable[[], Any]], *, rounds: int, warmup: int =
                 times[name]["wall"].append(time.perf_counter() - wall)
                 times[name]["cpu"].append(time.process_time() - cpu)
     return times
+
+
+def _cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(matmul_rate: bool = True) -> dict[str, Any]:
+    """The machine a result was measured on; ``matmul_rate``: also time this machine's float32 matmuls."""
+    devices = jax.devices()
+    out = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+    }
+    if matmul_rate:
+        from experiments.benchmarks.train_step import matmul_flops_per_s
+
+        out["matmul_gflops"] = round(matmul_flops_per_s() / 1e9, 1)
+    return out
+
+
+def _commit() -> str | None:
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def record(benchmark: str, result: Any, command: list[str], results: pathlib.Path = RESULTS) -> pathlib.Path:
+    """Append ``result`` (JSON-serialisable) as one line of ``<results>/<benchmark>.jsonl``."""
+    row = {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": _commit(),
+        "machine": machine(),
+        "command": " ".join(["python -m", f"experiments.benchmarks.{benchmark}", *command]),
+        "result": result,
+    }
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{benchmark}.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(row, default=float) + "\n")
+    return path
+
+
+def run(main: Callable[[list[str]], Any], benchmark: str, *, reexec: bool = True) -> int:
+    """The benchmark's command line: ``main(argv)`` under ``cli.run_main``; ``--record`` appends its result.
+    ``reexec=False``: no restart with the training malloc settings (a server keeps the serving ones)."""
+    from embodied_jax.cli import run_main
+
+    if "--record" in sys.argv:
+        sys.argv.remove("--record")
+        os.environ[_RECORD_ENV] = "1"
+    command = list(sys.argv[1:])
+    results = []
+    status = run_main(lambda argv: results.append(main(argv)), None if reexec else command)
+    if status == 0 and os.environ.get(_RECORD_ENV) == "1":
+        if not results or results[-1] is None:
+            print(f"error: {benchmark} returns no result to record", file=sys.stderr)
+            return 2
+        print(f"recorded: {record(benchmark, results[-1], [a for a in command if a != '--verbose'])}")
+    return status

@@ -45,6 +45,8 @@ import time
 import types
 from pathlib import Path
 
+from experiments.benchmarks import harness
+
 # The sizes of experiments/gr00t.py BENCH_MODEL (tests/test_benchmarks.py holds them equal).
 IMAGE_TOKEN_ID = 2047
 MAX_TOKEN_LEN = 258 + 38
@@ -355,4 +357,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.run(main, "lerobot_gr00t_step"))

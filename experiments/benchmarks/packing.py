@@ -41,7 +41,7 @@ import sys
 import numpy as np
 
 from embodied_jax import host_malloc
-from embodied_jax.cli import run_main
+from experiments.benchmarks import harness
 from experiments.benchmarks.harness import alternate, compile_train_step
 
 CAMERAS = {
@@ -356,4 +356,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "packing"))  # --record: the result appended to results/packing.jsonl

@@ -21,9 +21,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from embodied_jax.cli import run_main
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
+from experiments.benchmarks import harness
 from experiments.pi05 import bench_model, tiny_model
 
 
@@ -61,7 +61,7 @@ def run(config, batches, held_out, steps, mesh):
     return examples / seconds, loss
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("bench", "tiny"), default="bench")
     parser.add_argument("--steps", type=int, default=5, help="training steps (the first compiles, untimed)")
@@ -85,7 +85,8 @@ def main(argv=None) -> None:
         f"K={args.draws} vs K=1: {epsk / eps1:.2f}x observations/s (without prefix reuse at most "
         f"{1 / args.draws:.2f}x), held-out loss {lossk:.4f} vs {loss1:.4f}"
     )
+    return {f"K={k}": {"observations_per_s": r[0], "held_out_loss": r[1]} for k, r in results.items()}
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "pi05_flow_samples"))  # --record: the result appended to results/pi05_flow_samples.jsonl

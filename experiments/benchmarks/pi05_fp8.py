@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from embodied_jax.cli import run_main
+from experiments.benchmarks import harness
 
 VARIANTS = {
     "float32": dict(dtype="float32", fp8="none"),
@@ -94,4 +94,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "pi05_fp8"))  # --record: the result appended to results/pi05_fp8.jsonl

@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from embodied_jax.cli import run_main
+from experiments.benchmarks import harness
 
 DELAYS = (0, 1, 2, 4)
 EXECUTE_STEPS = 4
@@ -73,7 +73,7 @@ def table(cells) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     from embodied_jax.evaluate import EvaluationError, check_task, defaults
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,7 +138,8 @@ def main(argv=None) -> None:
         "cells": [{key: c[key] for key in keys} for c in cells],
     }
     print(json.dumps(summary))
+    return summary
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "rtc_delay"))  # --record: the result appended to results/rtc_delay.jsonl

@@ -32,7 +32,7 @@ import json
 import math
 import sys
 
-from embodied_jax.cli import run_main
+from experiments.benchmarks import harness
 
 H200 = {"peak_flops": 989e12, "memory_bytes": 141e9, "nvlink_bytes_per_s": 900e9, "node_rdma_bytes_per_s": 400e9}
 DEFAULT_EXAMPLES_PER_DEVICE = {"pi05": 32, "gr00t_n15": 64}
@@ -218,4 +218,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "scale_report"))  # --record: the result appended to results/scale_report.jsonl

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from embodied_jax.cli import run_main
+from experiments.benchmarks import harness
 
 SEED_STRIDE = 100_003
 
@@ -134,4 +134,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "serve_closed_loop"))  # --record: the result appended to results/serve_closed_loop.jsonl

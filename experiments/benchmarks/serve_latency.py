@@ -28,7 +28,7 @@ import time
 import jax
 import numpy as np
 
-from embodied_jax.cli import run_main
+from experiments.benchmarks import harness
 
 
 def stand_in_bundle(name: str, workdir: pathlib.Path):
@@ -199,4 +199,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "serve_latency"))  # --record: the result appended to results/serve_latency.jsonl

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from embodied_jax.cli import run_main
+from experiments.benchmarks import harness
 
 KINDS = ("oversized", "malformed", "poisoned", "never_reading", "idle", "flood")
 
@@ -384,4 +384,4 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     # argv given: no restart with the training malloc settings (host_malloc), which keep freed
     # memory; the server command (embodied_jax.serve) runs without them too.
-    sys.exit(run_main(main, sys.argv[1:]))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "serve_load", reexec=False))  # --record: appended to results/serve_load.jsonl

@@ -33,12 +33,12 @@ import mujoco
 import numpy as np
 from mujoco import mjx
 
-from embodied_jax.cli import run_main
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import evaluate as eval_lib
 from embodied_jax.sim import rollout as rollout_lib
 from embodied_jax.sim import scenes
 from embodied_jax.sim import tasks as tasks_lib
+from experiments.benchmarks import harness
 
 HORIZON, EXECUTE = 10, 5
 
@@ -172,7 +172,7 @@ def loop_episodes_per_s(env: env_lib.Env, episodes: int, act) -> tuple[float, st
     return episodes / (time.perf_counter() - start), how
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="reach", choices=sorted(tasks_lib.TASKS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -217,11 +217,14 @@ def main(argv=None) -> None:
     horizon = HORIZON if bundle is None else bundle.config.model.action_horizon
     print(f"\n[closed-loop episodes/s with rendering, H={horizon}, k={EXECUTE}, cameras {env.cameras}]")
     print(f"  one env per loop (mj_step, batch-1 policy, {how}): {baseline:.3f} episodes/s")
+    episodes = {"loop": baseline}
     for batch in args.batches:
         rate, seconds = batched_episodes_per_s(env, batch, act)
+        episodes[f"B={batch}"] = rate
         print(f"  batched MJX B={batch:4d}: {rate:8.3f} episodes/s ({seconds:.2f} s)", end="")
         print(f"   ratio vs loop {rate / baseline:7.1f}x")
+    return {"env_steps_per_s": steps, "episodes_per_s": episodes}
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "sim_throughput"))  # --record: the result appended to results/sim_throughput.jsonl

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from embodied_jax import host_malloc
-from embodied_jax.cli import run_main
+from experiments.benchmarks import harness
 
 # Peak dense bf16 FLOP/s per device, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -184,4 +184,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))  # bad input: one error line, status 2 (--verbose: traceback)
+    sys.exit(harness.run(main, "train_step"))  # --record: the result appended to results/train_step.jsonl
