@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from embodied_jax.data import inspect as inspect_cli
-from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
+from embodied_jax.data.lerobot import LeRobotDataset
+from embodied_jax.data.lerobot_meta import DatasetError
 from embodied_jax.data.synthetic import decode_frame_id, make_episodes
 from embodied_jax.data.video import encode_video
 from embodied_jax.data.writer import write_lerobot_dataset

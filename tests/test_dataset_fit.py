@@ -14,7 +14,8 @@ import logging
 import numpy as np
 import pytest
 
-from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
+from embodied_jax.data.lerobot import LeRobotDataset
+from embodied_jax.data.lerobot_meta import DatasetError
 from embodied_jax.data.modality import Modality
 from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleLoader

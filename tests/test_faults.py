@@ -418,7 +418,8 @@ def _edited_copy(small_dataset, tmp_path, edit):
 
 
 def test_a_wrong_feature_shape_in_info_json_names_the_file_and_feature(small_dataset, tmp_path):
-    from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
+    from embodied_jax.data.lerobot import LeRobotDataset
+    from embodied_jax.data.lerobot_meta import DatasetError
 
     root = _edited_copy(small_dataset, tmp_path, lambda f: f["observation.state"].update(shape=[7]))
     with pytest.raises(
@@ -430,7 +431,8 @@ def test_a_wrong_feature_shape_in_info_json_names_the_file_and_feature(small_dat
 
 
 def test_an_image_shape_that_disagrees_with_the_video_is_refused(small_dataset, tmp_path):
-    from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
+    from embodied_jax.data.lerobot import LeRobotDataset
+    from embodied_jax.data.lerobot_meta import DatasetError
 
     def wider(features):
         shape = features["observation.images.front"]["shape"]

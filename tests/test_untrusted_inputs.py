@@ -26,7 +26,8 @@ from embodied_jax.assets import AssetError
 from embodied_jax.data import framestore as fs
 from embodied_jax.data import lerobot_format as fmt
 from embodied_jax.data.convert import convert
-from embodied_jax.data.lerobot import DatasetError, LeRobotDataset
+from embodied_jax.data.lerobot import LeRobotDataset
+from embodied_jax.data.lerobot_meta import DatasetError
 from embodied_jax.data.synthetic import make_episodes
 from embodied_jax.data.video import encode_png
 from embodied_jax.data.writer import write_lerobot_dataset

@@ -10,6 +10,8 @@ Modules (one concept each):
   [N, H, W, 3] looked up by timestamp, and `frame(position, frame)` -> dict of every feature
   under its dataset key, cameras uint8 HWC, `task`, `timestamp`, `episode_index`,
   `frame_index`, `index`. Malformed data raises `DatasetError` naming file and episode.
+  What `meta/info.json` says and checked reads of the dataset's files: `lerobot_meta`
+  (`DatasetMeta`, `DatasetError`); the task and episode tables: `lerobot_episodes`.
 - `writer`: `write_lerobot_dataset(root, episodes, *, fps, version, codec, ...)` (v2.1/v3.0,
   AV1/H.264 mp4 or PNG-in-parquet).
 - `samples`: `SampleSpec` + `SampleLoader` (action chunks with `<key>_is_pad`, history,

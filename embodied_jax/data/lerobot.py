@@ -1,129 +1,35 @@
-"""Reader for LeRobot datasets v2.1 (and v2.0) and v3.0: metadata, tables, frames by timestamp.
+"""``LeRobotDataset``: a LeRobot dataset (v2.0, v2.1 or v3.0) on local disk, its per-frame tables read
+into arrays and its camera frames looked up by timestamp.
 
 All per-frame numeric columns are read once with pyarrow into one contiguous array per
 feature; camera frames are decoded on demand (PyAV, per-process LRU of open files) or
 taken from PNG bytes in the parquet. Episodes are addressed by *position* (0..num_episodes-1
 over the episodes kept); `episode_indices[position]` is the dataset's own episode index.
-Every error about a malformed dataset names the file and the episode. ``DatasetMeta`` is the
-metadata alone (``info.json``, ``modality.json``): what a run fits its model to.
+Every error about a malformed dataset names the file and the episode. Its ``meta/`` is read by
+``lerobot_meta`` (``DatasetMeta``: what a run fits its model to) and ``lerobot_episodes``.
 
-A dataset is untrusted input: every file it names stays inside its root
-(``embodied_jax.paths``), its path templates are filled by ``lerobot_format.fill_template``, and
-every count, index and size it declares is checked against what the dataset holds before
-anything of that size is allocated.
+A dataset is untrusted input: every count, index and size it declares is checked against what
+the dataset holds before anything of that size is allocated, and an image file a cell names
+stays inside its root (``embodied_jax.paths``).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
-import numbers
 import pathlib
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from embodied_jax.data import lerobot_format as fmt
 from embodied_jax.data import video
+from embodied_jax.data.lerobot_episodes import EpisodeRecord, read_tasks_and_episodes
+from embodied_jax.data.lerobot_meta import DatasetError, DatasetMeta, read_parquet
 from embodied_jax.data.modality import Modality
-from embodied_jax.errors import InputError
 from embodied_jax.paths import resolve_inside
-
-MAX_SECONDS = 1e9  # a video timestamp past this (31 years) is nonsense, not a long recording
-
-
-class DatasetError(InputError, ValueError):
-    """A malformed LeRobot dataset; the message names the file and, where known, the episode."""
-
-
-@dataclasses.dataclass(frozen=True)
-class VideoSpan:
-    path: pathlib.Path
-    from_timestamp: float
-    to_timestamp: float
-
-
-@dataclasses.dataclass(frozen=True)
-class EpisodeRecord:
-    episode_index: int
-    length: int
-    tasks: tuple[str, ...]
-    data_path: pathlib.Path
-    dataset_from_index: int | None
-    videos: Mapping[str, VideoSpan]
-
-
-def _inside(root: pathlib.Path, relative: str | pathlib.PurePath) -> pathlib.Path:
-    """A file of the dataset at ``root``: inside it, and a regular file when it exists."""
-    return resolve_inside(root, relative, what=f"dataset {root}", error=DatasetError, regular_file=True)
-
-
-def _index(value: Any, where: str, field: str, *, high: int | None = None, low: int = 0) -> int:
-    return fmt.bounded_int(value, where, field, low=low, high=high, error=DatasetError)
-
-
-def _seconds(value: Any, where: str, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= MAX_SECONDS:
-        raise DatasetError(f"{where}: {field} = {fmt.shown(value)}: expected a time in [0, {MAX_SECONDS:g}] seconds")
-    return float(value)
-
-
-def _read_text(path: pathlib.Path) -> str:
-    try:
-        return path.read_text()
-    except FileNotFoundError as exc:
-        raise DatasetError(f"{path}: missing file") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"{path}: unreadable ({exc})") from exc
-
-
-def _read_json(path: pathlib.Path) -> Any:
-    try:
-        return json.loads(_read_text(path))
-    except ValueError as exc:  # also integers past Python's digit limit
-        raise DatasetError(f"{path}: invalid JSON ({exc})") from exc
-
-
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    rows = []
-    for number, line in enumerate(_read_text(path).splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError as exc:
-                raise DatasetError(f"{path}:{number}: invalid JSON ({exc})") from exc
-            if not isinstance(rows[-1], dict):
-                raise DatasetError(f"{path}:{number}: expected a JSON object, got {fmt.shown(rows[-1])}")
-    return rows
-
-
-def _read_parquet(
-    path: pathlib.Path,
-    columns: Sequence[str] | None = None,
-    *,
-    episode: int | None = None,
-    also_require: Sequence[str] = (),
-) -> pa.Table:
-    where = f"{path}" + (f" (episode {episode})" if episode is not None else "")
-    if not path.exists():
-        raise DatasetError(f"{where}: missing file")
-    try:
-        schema = pq.read_schema(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DatasetError(f"{where}: unreadable parquet ({exc})") from exc
-    if columns is not None or also_require:
-        missing = [c for c in list(columns or ()) + list(also_require) if c not in schema.names]
-        if missing:
-            raise DatasetError(f"{where}: missing column(s) {missing}; the file has {schema.names}")
-    try:
-        return pq.read_table(path, columns=list(columns) if columns is not None else None)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DatasetError(f"{where}: unreadable parquet ({exc})") from exc
 
 
 def column_to_numpy(column: pa.ChunkedArray | pa.Array, shape: Sequence[int], *, where: str = "column") -> np.ndarray:
@@ -142,104 +48,6 @@ def column_to_numpy(column: pa.ChunkedArray | pa.Array, shape: Sequence[int], *,
             f"{where}: meta/info.json gives shape {list(shape)}, but the data holds {per_row:g} values per frame"
         )
     return values.reshape((rows,) + shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetMeta:
-    """What ``meta/info.json`` and ``meta/modality.json`` say of a dataset, read without its tables
-    or videos (a run fits its model to this before anything else is read)."""
-
-    root: pathlib.Path
-    info: dict[str, Any]
-    modality: Modality | None
-
-    @classmethod
-    def read(cls, root: str | pathlib.Path, *, modality: Modality | None = None) -> DatasetMeta:
-        """``modality``: use this instead of ``meta/modality.json`` (read when present)."""
-        root = pathlib.Path(root)
-        info_path = _inside(root, fmt.INFO_PATH)
-        info = _read_json(info_path)
-        if not isinstance(info, dict):
-            raise DatasetError(f"{info_path}: expected a JSON object, got {fmt.shown(info)}")
-        version = str(info.get("codebase_version", ""))
-        if version not in fmt.SUPPORTED_VERSIONS:
-            raise DatasetError(f"{info_path}: codebase_version {version!r} is not one of {fmt.SUPPORTED_VERSIONS}")
-        for key in ("fps", "features", "data_path"):
-            if key not in info:
-                raise DatasetError(f"{info_path}: missing field {key!r}")
-        fps = info["fps"]
-        if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not 0 < fps <= fmt.MAX_FPS:
-            raise DatasetError(f"{info_path}: fps = {fmt.shown(fps)}: expected a frame rate in (0, {fmt.MAX_FPS}]")
-        if not isinstance(info["features"], dict):
-            raise DatasetError(f"{info_path}: features = {fmt.shown(info['features'])}: expected a JSON object")
-        modality_path = _inside(root, fmt.MODALITY_PATH)
-        try:
-            if modality is None and modality_path.exists():
-                modality = Modality.load(modality_path)
-            if modality is not None:
-                modality.validate(info["features"], source=str(modality_path))
-        except ValueError as exc:
-            raise DatasetError(str(exc)) from exc
-        return cls(root, info, modality)
-
-    @property
-    def version(self) -> str:
-        return str(self.info["codebase_version"])
-
-    @property
-    def fps(self) -> float:
-        return float(self.info["fps"])
-
-    @property
-    def features(self) -> dict[str, dict]:
-        return self.info["features"]
-
-    @property
-    def video_keys(self) -> tuple[str, ...]:
-        return tuple(k for k, f in self.features.items() if f.get("dtype") == "video")
-
-    @property
-    def image_keys(self) -> tuple[str, ...]:
-        return tuple(k for k, f in self.features.items() if f.get("dtype") == "image")
-
-    @property
-    def camera_keys(self) -> tuple[str, ...]:
-        return self.video_keys + self.image_keys
-
-    @property
-    def vector_keys(self) -> tuple[str, ...]:
-        """Per-frame numeric features (state, action, ...), bookkeeping columns left out."""
-        return tuple(
-            k
-            for k, f in self.features.items()
-            if f.get("dtype") not in ("video", "image", "string") and k not in fmt.BOOKKEEPING_KEYS
-        )
-
-    def width(self, key: str) -> int:
-        """Values per frame of a numeric feature (its ``shape`` in info.json)."""
-        shape = self.features.get(key, {}).get("shape")
-        if not isinstance(shape, list) or not shape:
-            raise DatasetError(f"{self.root / fmt.INFO_PATH}: feature {key!r} has no shape (got {shape!r})")
-        return int(np.prod(shape))
-
-    def image_shape(self, key: str) -> tuple[int, int, int]:
-        """(H, W, C) of camera ``key`` from its info.json shape, stored HWC or CHW."""
-        feature = self.features.get(key, {})
-        shape = feature.get("shape")
-        if (
-            not isinstance(shape, list)
-            or len(shape) != 3
-            or 3 not in (shape[0], shape[2])
-            or not all(isinstance(s, int) and 0 < s <= fmt.MAX_IMAGE_SIDE for s in shape)
-        ):
-            raise DatasetError(
-                f"{self.root / fmt.INFO_PATH}: camera {key!r} has shape {fmt.shown(shape)}, expected [H, W, 3] or "
-                f"[3, H, W] (sides at most {fmt.MAX_IMAGE_SIDE})"
-            )
-        names = feature.get("names") or []
-        if list(names[:1]) == ["channels"] or (shape[0] == 3 and shape[2] != 3):
-            return int(shape[1]), int(shape[2]), int(shape[0])
-        return int(shape[0]), int(shape[1]), int(shape[2])
 
 
 class LeRobotDataset:
@@ -278,10 +86,7 @@ class LeRobotDataset:
         self.vector_keys = self.meta.vector_keys
         self.modality = self.meta.modality
 
-        if self.version == fmt.V30:
-            self.tasks, records = self._v30_metadata()
-        else:
-            self.tasks, records = self._v21_metadata()
+        self.tasks, records = read_tasks_and_episodes(self.meta)
         if episodes is not None:
             wanted = set(int(e) for e in episodes)
             unknown = wanted - {r.episode_index for r in records}
@@ -295,135 +100,6 @@ class LeRobotDataset:
         self._image_lock = threading.Lock()
         if skip_bad_episodes:
             self._probe_cameras()
-
-    # ----- metadata -------------------------------------------------------------------------------------------
-    def _v21_metadata(self) -> tuple[list[str], list[EpisodeRecord]]:
-        tasks_path = _inside(self.root, fmt.V21_TASKS_PATH)
-        task_rows = _read_jsonl(tasks_path)
-        tasks_by_index = {}
-        for row in task_rows:
-            if "task_index" not in row or "task" not in row:
-                raise DatasetError(f"{tasks_path}: each line needs 'task_index' and 'task', got {fmt.shown(row)}")
-            tasks_by_index[_index(row["task_index"], str(tasks_path), "task_index", high=len(task_rows))] = str(
-                row["task"]
-            )
-        tasks = [tasks_by_index.get(i, "") for i in range(max(tasks_by_index, default=-1) + 1)]
-        chunk_size = _index(self.info.get("chunks_size", 1000), str(self.root / fmt.INFO_PATH), "chunks_size", low=1)
-        records = []
-        episodes_path = _inside(self.root, fmt.V21_EPISODES_PATH)
-        rows = _read_jsonl(episodes_path)
-        high = self._episode_bound(len(rows))
-        for row in rows:
-            if "episode_index" not in row or "length" not in row:
-                raise DatasetError(
-                    f"{episodes_path}: each line needs 'episode_index' and 'length', got {fmt.shown(row)}"
-                )
-            index = _index(row["episode_index"], str(episodes_path), "episode_index", high=high)
-            length = _index(row["length"], f"{episodes_path}: episode {index}", "length", high=fmt.MAX_FRAMES)
-            chunk = index // chunk_size
-            data_path = self._template_path("data_path", episode_chunk=chunk, episode_index=index)
-            videos = {
-                key: VideoSpan(
-                    self._template_path("video_path", episode_chunk=chunk, video_key=key, episode_index=index),
-                    0.0,
-                    length / self.fps,
-                )
-                for key in self.video_keys
-            }
-            records.append(EpisodeRecord(index, length, tuple(row.get("tasks", ())), data_path, None, videos))
-        return tasks, records
-
-    def _episode_bound(self, rows: int) -> int:
-        """Episode indices lie below the number of episodes listed (or info.json's total_episodes)."""
-        declared = self.info.get("total_episodes")
-        declared = declared if isinstance(declared, int) and 0 <= declared < fmt.MAX_EPISODE_INDEX else 0
-        return max(rows, declared)
-
-    def _template_path(self, field: str, **values: int | str) -> pathlib.Path:
-        """The file info.json's template ``field`` names for ``values``: inside the dataset."""
-        where = f"{self.root / fmt.INFO_PATH}: {field}"
-        try:
-            relative = fmt.fill_template(self.info.get(field), **values)
-        except ValueError as exc:
-            raise DatasetError(f"{where}: {exc}") from exc
-        return resolve_inside(self.root, relative, what=where, error=DatasetError, regular_file=True)
-
-    def _v30_metadata(self) -> tuple[list[str], list[EpisodeRecord]]:
-        tasks_path = _inside(self.root, fmt.V30_TASKS_PATH)
-        table = _read_parquet(tasks_path)
-        names = table.column_names
-        if "task_index" not in names:
-            raise DatasetError(f"{tasks_path}: missing column 'task_index'; the file has {names}")
-        task_column = next((c for c in ("task", "__index_level_0__") if c in names), None)
-        if task_column is None:
-            task_column = next((c for c in names if pa.types.is_string(table.schema.field(c).type)), None)
-        if task_column is None:
-            raise DatasetError(
-                f"{tasks_path}: no task string column (expected the index 'task' or '__index_level_0__')"
-            )
-        rows = table.num_rows
-        indices = [_index(i, str(tasks_path), "task_index", high=rows) for i in table.column("task_index").to_pylist()]
-        strings = table.column(task_column).to_pylist()
-        tasks = [""] * (max(indices, default=-1) + 1)
-        for i, s in zip(indices, strings, strict=True):
-            tasks[i] = str(s)
-
-        files = sorted(self.root.glob("meta/episodes/chunk-*/file-*.parquet"))
-        files = [_inside(self.root, path.relative_to(self.root)) for path in files]
-        if not files:
-            raise DatasetError(
-                f"{self.root / 'meta' / 'episodes'}: missing episode metadata files (chunk-*/file-*.parquet)"
-            )
-        required = [
-            "episode_index",
-            "length",
-            "data/chunk_index",
-            "data/file_index",
-            "dataset_from_index",
-            "dataset_to_index",
-        ]
-        for key in self.video_keys:
-            required += [f"videos/{key}/{c}" for c in ("chunk_index", "file_index", "from_timestamp", "to_timestamp")]
-        tables = [
-            (path, _read_parquet(path, required + (["tasks"] if "tasks" in pq.read_schema(path).names else [])))
-            for path in files
-        ]
-        # Files hold whole episodes: no chunk or file index reaches the number of episodes.
-        total = sum(table.num_rows for _, table in tables)
-        high = self._episode_bound(total)
-        records = []
-        for path, table in tables:
-            for row in table.to_pylist():
-                index = _index(row["episode_index"], str(path), "episode_index", high=high)
-                where = f"{path}: episode {index}"
-                data_path = self._template_path(
-                    "data_path",
-                    chunk_index=_index(row["data/chunk_index"], where, "data/chunk_index", high=total),
-                    file_index=_index(row["data/file_index"], where, "data/file_index", high=total),
-                )
-                videos = {}
-                for key in self.video_keys:
-                    p = f"videos/{key}/"
-                    videos[key] = VideoSpan(
-                        self._template_path(
-                            "video_path",
-                            video_key=key,
-                            chunk_index=_index(row[p + "chunk_index"], where, p + "chunk_index", high=total),
-                            file_index=_index(row[p + "file_index"], where, p + "file_index", high=total),
-                        ),
-                        _seconds(row[p + "from_timestamp"], where, p + "from_timestamp"),
-                        _seconds(row[p + "to_timestamp"], where, p + "to_timestamp"),
-                    )
-                length = _index(row["length"], where, "length", high=fmt.MAX_FRAMES)
-                start = _index(row["dataset_from_index"], where, "dataset_from_index", high=fmt.MAX_FRAMES)
-                stop = _index(row["dataset_to_index"], where, "dataset_to_index", high=fmt.MAX_FRAMES)
-                if stop - start != length:
-                    raise DatasetError(
-                        f"{where}: dataset_to_index - dataset_from_index = {stop - start} but length = {length}"
-                    )
-                records.append(EpisodeRecord(index, length, tuple(row.get("tasks") or ()), data_path, start, videos))
-        records.sort(key=lambda r: r.episode_index)
-        return tasks, records
 
     # ----- tables ---------------------------------------------------------------------------------------------
     def _load_tables(self, records: list[EpisodeRecord]) -> None:
@@ -439,7 +115,7 @@ class LeRobotDataset:
         kept: list[tuple[EpisodeRecord, int, dict[str, np.ndarray]]] = []
         for path, members in by_file.items():
             try:
-                table = _read_parquet(path, numeric, episode=members[0].episode_index, also_require=self.image_keys)
+                table = read_parquet(path, numeric, episode=members[0].episode_index, also_require=self.image_keys)
             except DatasetError as exc:
                 self._fail(members, str(exc))
                 continue
@@ -630,7 +306,7 @@ class LeRobotDataset:
         with self._image_lock:
             column = self._image_columns.pop(cache_key, None)
             if column is None:
-                column = _read_parquet(path, [key]).column(key)
+                column = read_parquet(path, [key]).column(key)
             self._image_columns[cache_key] = column
             while len(self._image_columns) > 4:
                 self._image_columns.popitem(last=False)

@@ -32,7 +32,8 @@ import numpy as np
 
 from embodied_jax.config_registry import register
 from embodied_jax.data.iterator import BatchIterator
-from embodied_jax.data.lerobot import DatasetError, DatasetMeta, LeRobotDataset
+from embodied_jax.data.lerobot import LeRobotDataset
+from embodied_jax.data.lerobot_meta import DatasetError, DatasetMeta
 from embodied_jax.data.packing import PackingConfig
 from embodied_jax.data.pipeline import DataConfig, SourceConfig, make_data_iterator, open_source
 from embodied_jax.data.sample_transform import ModelInputs, SampleTransform
