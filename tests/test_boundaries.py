@@ -138,7 +138,8 @@ def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
 
 def import_circles(package: pathlib.Path, root: pathlib.Path = ROOT) -> list[list[str]]:
     """The import circles among the modules under ``package``, lazy (function-level) imports
-    included: each a sorted list of module names (strongly connected components of two or more)."""
+    included, imports only for type checkers (``if TYPE_CHECKING:``) not: each a sorted list of
+    module names (strongly connected components of two or more)."""
     paths = sorted(package.rglob("*.py"))
     modules = {_module_name(p, root): p for p in paths}
 
@@ -150,13 +151,19 @@ def import_circles(package: pathlib.Path, root: pathlib.Path = ROOT) -> list[lis
     graph = {m: set() for m in modules}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
+        typing_only = {  # lines of ``if TYPE_CHECKING:`` blocks: never run
+            line
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+            for line in range(node.lineno, node.end_lineno + 1)
+        }
         for node in ast.walk(tree):  # ``from pkg import mod`` names a module too
-            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level and node.lineno not in typing_only:
                 for alias in node.names:
                     if (target := resolve(f"{node.module}.{alias.name}")) not in (None, module):
                         graph[module].add(target)
-        for _, name in imported_modules(path, root):
-            if (target := resolve(name)) not in (None, module):
+        for line, name in imported_modules(path, root):
+            if line not in typing_only and (target := resolve(name)) not in (None, module):
                 graph[module].add(target)
     index, low, stack, on_stack, circles = {}, {}, [], set(), []
 
@@ -194,6 +201,10 @@ def test_the_circle_check_finds_a_lazy_circle(tmp_path):
     (package / "config.py").write_text("def run():\n    from embodied_jax.train.loop import train\n")
     (package / "loop.py").write_text("from embodied_jax.train import config\n")
     (package / "step.py").write_text("from embodied_jax.train.config import run\n")
+    (package / "state.py").write_text(  # an import for type checkers only is no circle
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from embodied_jax.train.metrics import M\n"
+    )
+    (package / "metrics.py").write_text("from embodied_jax.train import state\n")
     assert import_circles(tmp_path / "embodied_jax", root=tmp_path) == [
         ["embodied_jax.train.config", "embodied_jax.train.loop"]
     ]

@@ -1,61 +1,25 @@
-"""GR00T-N1.5 policy: config, flow-matching loss and sampling, freezing (the attention layout of
-unpacked and packed batches: ``gr00t_layout.py``).
+"""The gr00t configuration: sizes, training options and the Policy contract's hooks (``policy.PolicyConfig``).
 
-``Gr00tPolicy`` = ``backbone`` (Eagle 2.5: SigLIP + ``mlp1`` + truncated Qwen3) and
-``action_head`` (VL LayerNorm + adapter, embodiment-specific encoders/decoder, DiT).
-
-Flow matching as upstream: t = (s - Beta(a, b)) / s with (a, b) = ``time_beta`` = (1.5, 1) and
-s = ``time_scale`` = 0.999 (t = 0 noise, t = 1 data), x_t = (1 - t) noise + t actions,
-target = actions - noise, timestep bucket floor(1000 t) for the DiT and the action encoder,
-MSE masked by ``action_mask``.
-Sampling: backbone + adapter once, K Euler steps (bucket int(k / K * 1000)) of the DiT.
-
-Batch (DESIGN.md observation + training keys):
-  ``images`` {camera: [B, H, W, 3] in [-1, 1]} (cameras in ``Gr00tConfig.camera_names`` order),
-  ``tokens`` int32 [B, L], ``token_mask`` bool [B, L] (the prompt from ``gr00t_inputs``),
-  ``state`` [B, max_state_dim], ``embodiment_id`` int32 [B], ``actions`` [B, horizon,
-  action_dim], ``action_mask`` [B, horizon, action_dim] (optional; all ones).
-Packed rows (``data/packing.py``, ``mask_vl_padding=True`` only): ``tokens``, ``segment_ids``,
-``positions`` [R, L] hold up to M samples per row (each sample's own cameras only),
-``images`` [R, I, H, W, 3] with ``image_segment_ids`` [R, I], and the per-sample values
-``state``, ``actions``, ``action_mask``, ``embodiment_id`` stacked [R, M, ...] with
-``sample_mask`` [R, M]. The action head runs on the R·M sample slots (empty ones carry no
-loss); the LLM and the adapter use block-sparse attention within each sample's segment and
-the DiT cross-attends only a window of ``max_token_len`` tokens at its sample's segment.
-
-``image_masks`` are not used: upstream GR00T has no missing-camera masking (every camera's
-image-context tokens are filled from its image).
-
-``mask_vl_padding=False`` reproduces upstream exactly: the LLM masks padded keys (padded
-query rows still attend the real tokens before them, as HF does) while the VL adapter and
-the DiT cross-attention attend every VL token, padding included.
-"""
+The package docstring (``models/gr00t/__init__.py``) describes the model."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from embodied_jax.assets import AssetError
 from embodied_jax.config_registry import register
 from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
-from embodied_jax.models.eagle import EagleBackbone, EagleConfig
-from embodied_jax.models.gr00t_action_head import ActionHeadConfig, Gr00tActionHead
-from embodied_jax.models.gr00t_layout import vl_layout
+from embodied_jax.models.eagle import EagleConfig
+from embodied_jax.models.gr00t.model import Gr00tPolicy
+from embodied_jax.models.gr00t_action_head import ActionHeadConfig
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
-from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.block_sparse import BlockSparseTiling
-from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.policy import DatasetFeatures, PolicyConfig
-
-PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
 
 # Eagle 2.5's towers as GR00T-N1.5 ships them (reference README: Eagle25VLConfig)
 EAGLE_SIGLIP = SiglipConfig(
@@ -377,209 +341,3 @@ def freeze_regexes(config: Gr00tConfig) -> tuple[str, ...]:
     elif config.lora_rank:
         patterns.append(r"^action_head/model/(?!(.*/)?lora_[ab]$)")
     return tuple(patterns)
-
-
-def _dtype(name: str):
-    return jnp.dtype(name)
-
-
-class Gr00tPolicy(nnx.Module):
-    def __init__(self, config: Gr00tConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        # one source for what every module shares: precision, attention kernel, layer stacking
-        common = dict(
-            dtype=_dtype(config.dtype),
-            param_dtype=_dtype(config.param_dtype),
-            fp8=config.fp8,
-            attention_impl=config.attention_impl,
-            scan_layers=config.scan_layers,
-            remat_policy=config.remat_policy,
-            rngs=rngs,
-        )
-        self.backbone = EagleBackbone(config.eagle_config(), **common)
-        lora = LoRAConfig(config.lora_rank, config.lora_alpha) if config.lora_rank else None
-        self.action_head = Gr00tActionHead(
-            config.action_head,
-            action_dim=config.action_dim,
-            max_state_dim=config.max_state_dim,
-            backbone_width=config.llm.width,
-            lora=lora,
-            **common,
-        )
-
-    # ----- VL side
-    def _images(self, obs):
-        """[R, k, H, W, 3]: a packed row's image slots, or an unpacked sample's cameras."""
-        images = obs["images"]
-        if not isinstance(images, dict):
-            return jnp.asarray(images)
-        names = self.config.camera_names
-        missing = [c for c in names if c not in images]
-        if missing:
-            raise KeyError(f"observation['images'] lacks cameras {missing}; Gr00tConfig.camera_names {names}")
-        return jnp.stack([jnp.asarray(images[c]) for c in names], axis=1)
-
-    def vl_features(self, obs, key=None):
-        """Adapter output [R, S, D] and the per-sample attention layout for the DiT."""
-        layout = vl_layout(self.config, obs)
-        features = self.backbone(
-            self._images(obs),
-            layout["tokens"],
-            layout["positions"],
-            layout["llm_q"],
-            layout["llm_kv"],
-            causal_blocks=layout["causal"],
-            bounds=layout["bounds"],
-        )
-        features = self.action_head.process_backbone_output(features, layout["adapter"], key, layout["bounds"])
-        return features, layout
-
-    @staticmethod
-    def per_sample(batch) -> tuple[dict[str, jax.Array], jax.Array]:
-        """The action-side values one per sample slot ([R·M, ...] for packed rows) and each slot's
-        presence (float32; all ones unpacked)."""
-        out = {k: jnp.asarray(batch[k]) for k in PER_SAMPLE_KEYS if k in batch}
-        if "sample_mask" not in batch:
-            return out, jnp.ones(jnp.asarray(batch["embodiment_id"]).shape[:1], jnp.float32)
-        present = jnp.asarray(batch["sample_mask"], bool)
-        flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
-        return flat, present.reshape(-1).astype(jnp.float32)
-
-    # ----- flow matching
-    def sample_time(self, key, batch_size: int):
-        alpha, beta = self.config.time_beta
-        s = self.config.time_scale
-        return (s - jax.random.beta(key, alpha, beta, (batch_size,))) / s
-
-    def per_sample_losses(self, batch, rng, *, noise=None, time=None, dropout: bool = True):
-        """(per-sample masked squared-error sums [N], per-sample mask counts [N]); N = R·M slots for
-        packed rows (an empty slot counts 0). With K = ``flow_samples_per_obs`` the backbone and
-        the VL adapter run once and the DiT K times per slot, and both sums add over the K draws;
-        explicit ``noise`` is [N, horizon, A] or [N, K, horizon, A], ``time`` [N] or [N, K].
-
-        ``dropout=False`` turns off the DiT/adapter dropout (deterministic evaluation). As upstream,
-        a frozen DiT (``tune_diffusion_model=False``) runs without dropout (eval mode)."""
-        samples, present = self.per_sample(batch)
-        actions = samples["actions"].astype(jnp.float32)
-        n, horizon, adim = actions.shape
-        k = self.config.flow_samples_per_obs
-        k_noise, k_time, k_adapter, k_dit = jax.random.split(rng, 4)
-        head_config = self.config.action_head
-        train_dropout = dropout and (head_config.dit.dropout > 0 or head_config.vl_self_attention.dropout > 0)
-        if noise is None:
-            noise = jax.random.normal(k_noise, (n * k, horizon, adim))
-        noise = jnp.asarray(noise, jnp.float32).reshape(n * k, horizon, adim)
-        t = self.sample_time(k_time, n * k) if time is None else jnp.asarray(time, jnp.float32).reshape(n * k)
-        vl, layout = self.vl_features(batch, k_adapter if train_dropout else None)
-        slots = samples["embodiment_id"].astype(jnp.int32)
-        head = self.action_head
-        state_features = head.encode_state(samples["state"].astype(jnp.float32), slots)
-        # Draw j of slot i is row i·K + j; the DiT of every draw cross-attends its slot's VL tokens.
-        draws = functools.partial(jnp.repeat, repeats=k, axis=0)
-        if k > 1:
-            if layout["context_gather"] is not None:  # packed rows: each slot's window, then its draws
-                rows, index = layout["context_gather"]
-                vl, layout = vl[rows[:, None], index], {**layout, "context_gather": None}
-            vl = draws(vl)
-            layout = {**layout, "dit_q": draws(layout["dit_q"]), "dit_kv": draws(layout["dit_kv"])}
-            actions, state_features, slots = draws(actions), draws(state_features), draws(slots)
-        x_t = (1.0 - t[:, None, None]) * noise + t[:, None, None] * actions
-        buckets = jnp.floor(t * self.config.num_timestep_buckets).astype(jnp.int32)
-        velocity = head.velocity(
-            state_features,
-            x_t,
-            buckets,
-            slots,
-            vl,
-            q_segment_ids=layout["dit_q"],
-            kv_segment_ids=layout["dit_kv"],
-            context_gather=layout["context_gather"],
-            key=k_dit if train_dropout and self.config.tune_diffusion_model else None,
-        )
-        mask = samples.get("action_mask", jnp.ones((n, horizon, adim))).astype(jnp.float32) * present[:, None, None]
-        sq = jnp.square(velocity - (actions - noise)).reshape(n, k, horizon, adim) * mask[:, None]
-        return sq.sum(axis=(1, 2, 3)), k * mask.sum(axis=(1, 2))
-
-    def velocity(self, observation, noisy_actions, time):
-        """The DiT's velocity prediction [B, horizon, action_dim] at x_t = ``noisy_actions``, t = ``time`` [B]."""
-        vl, layout = self.vl_features(observation)
-        slots = jnp.asarray(observation["embodiment_id"], jnp.int32)
-        head = self.action_head
-        state_features = head.encode_state(jnp.asarray(observation["state"], jnp.float32), slots)
-        buckets = jnp.floor(jnp.asarray(time, jnp.float32) * self.config.num_timestep_buckets).astype(jnp.int32)
-        return head.velocity(
-            state_features,
-            jnp.asarray(noisy_actions, jnp.float32),
-            buckets,
-            slots,
-            vl,
-            q_segment_ids=layout["dit_q"],
-            kv_segment_ids=layout["dit_kv"],
-            context_gather=layout["context_gather"],
-        )
-
-    def loss(self, batch, rng, *, noise=None, time=None):
-        errors, counts = self.per_sample_losses(batch, rng, noise=noise, time=time)
-        loss = errors.sum() / jnp.maximum(counts.sum(), 1.0)
-        seg = batch["segment_ids"] if "segment_ids" in batch else batch["token_mask"]
-        tokens = jnp.sum(jnp.asarray(seg) > 0)
-        examples = (
-            jnp.sum(jnp.asarray(batch["sample_mask"]), dtype=jnp.int32)
-            if "sample_mask" in batch
-            else jnp.int32(errors.shape[0])
-        )
-        return loss, {"loss": loss, "tokens": tokens, "examples": examples}
-
-    def sample_actions(
-        self,
-        observation,
-        rng,
-        *,
-        num_steps=None,
-        noise=None,
-        prefix_actions=None,
-        prefix_weights=None,
-        max_guidance=5.0,
-        trace=False,
-    ):
-        """Actions [B, horizon, action_dim]: Euler from t=0 (noise) to t=1 (actions) (``nn/flow.py``).
-
-        Real-time chunking (``nn/rtc.py``): ``prefix_actions`` [B, horizon, action_dim] (normalised, usually the
-        previous chunk shifted by the executed steps) guide the chunk towards them with ``prefix_weights``
-        [horizon] or [B, horizon] and maximum guidance weight ``max_guidance``, through the clean estimate
-        x_t + (1 - t)·v; steps of weight 1 are returned as the prefix. None: plain sampling. ``trace``: a
-        ``flow.FlowTrace`` with every step's state and velocity."""
-        config = self.config
-        k = int(num_steps or config.num_inference_steps)
-        b = jnp.asarray(observation["embodiment_id"]).shape[0]
-        shape = (b, config.action_horizon, config.action_dim)
-        x = jax.random.normal(rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
-        vl, layout = self.vl_features(observation)
-        slots = jnp.asarray(observation["embodiment_id"], jnp.int32)
-        state_features = self.action_head.encode_state(jnp.asarray(observation["state"], jnp.float32), slots)
-        # upstream: int(k / K * num_timestep_buckets) in Python floats
-        buckets = jnp.asarray(np.array([int(i / k * config.num_timestep_buckets) for i in range(k)], np.int32))
-        dt = jnp.float32(1.0 / k)
-        schedule = flow.FlowSchedule(times=jnp.arange(k, dtype=jnp.float32) * dt, dt=dt, clean_time=1.0)
-
-        def velocity(head, x, i):  # head: the action head, rebuilt inside the loop (nn/traced.py)
-            return head.velocity(
-                state_features,
-                x,
-                jnp.full((b,), buckets[i]),
-                slots,
-                vl,
-                q_segment_ids=layout["dit_q"],
-                kv_segment_ids=layout["dit_kv"],
-                context_gather=layout["context_gather"],
-            )
-
-        guidance = None
-        if prefix_actions is None:
-            rtc.check_unguided(prefix_weights)
-        else:
-            y, w = rtc.guidance_inputs(
-                prefix_actions, prefix_weights, batch=b, horizon=config.action_horizon, width=config.action_dim
-            )
-            guidance = flow.Guidance(y, w, max_guidance)
-        return flow.sample(self.action_head, velocity, x, schedule, guidance=guidance, trace=trace)

@@ -1,224 +1,32 @@
-"""π0.5 (openpi / LeRobot ``PI05Policy``) as a Flax NNX Policy, with prefix reuse and packing.
-
-Architecture: SigLIP tower + linear projector embed each camera image (not scaled); Gemma token
-embeddings of the prompt (which carries the discretised state, see ``pi05_inputs``) are scaled by
-√width; together they form the prefix, attended bidirectionally (block 0). The action suffix
-(``action_in_proj`` of the noisy actions, block 1) runs through the action expert, whose norms are
-AdaRMS conditioned on ``silu(time_mlp_out(silu(time_mlp_in(sincos(t)))))``; the VLM and the expert
-share one attention per layer (``gemma.MultiExpertGemma``). Positions count real tokens only.
-
-Flow matching exactly as upstream: t = 0.001 + 0.999·Beta(1.5, 1); x_t = t·noise + (1-t)·actions;
-target u = noise - actions; loss = mean of (v - u)² over real action dims (``action_dim_mask`` or
-the first ``action_dim``), horizon and samples. ``sample_actions`` integrates from t=1 (noise) to
-t=0 with ``num_steps`` Euler steps of dt = -1/num_steps: the prefix runs once into a per-layer KV
-cache, each step runs the suffix only, inside ``lax.fori_loop``.
-
-Beyond upstream:
-
-- ``flow_samples_per_obs`` K: the prefix never attends the suffix, so training runs the prefix
-  once and K (noise, time) draws per observation attend its cached keys/values (gradients reach
-  the prefix from all K). ``joint_forward=True`` runs upstream's single joint pass (K must be 1);
-  at K=1 both give the same loss.
-- Packed rows (``data/packing.py``, the builder's ``packed=True`` form): ``tokens``,
-  ``segment_ids``, ``positions`` [R, L] with image-token ids (``image_token_id``) where each
-  sample's images go, ``images`` [R, I, H, W, 3] / ``image_segment_ids`` [R, I] (only the
-  cameras samples have), per-sample ``actions`` [R, M, horizon, A], ``action_dim_mask``
-  [R, M, A] and ``sample_mask`` [R, M]. Suffix tokens of sample m get segment m; attention
-  is block-sparse over each sample's own tokens (``nn.block_sparse``), so samples never see
-  each other and padding costs no attention work. Unpacked batches (the Observation
-  contract) are the M = 1 case: ``token_mask``, ``image_masks``, ``actions`` [B, horizon, A].
-
-Explicit ``noise``/``time`` may be given in the shapes [R, (K,) (M,) horizon, A] / [R, (K,) (M,)]
-(K and M axes present only when > 1).
-"""
+"""The pi05 module: the network, its loss and its sampler (the package docstring has the details)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from embodied_jax.assets import AssetError
-from embodied_jax.config_registry import register
 from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
 from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.attention import mask_positions
-from embodied_jax.nn.block_sparse import BlockSparseTiling, SegmentBounds
+from embodied_jax.nn.block_sparse import SegmentBounds
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import fill_image_tokens, sincos_embedding
-from embodied_jax.nn.lora import LORA_FREEZE_REGEX, LoRAConfig
+from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.parallel.partition import shard_tokens
-from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
 GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256)
 GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256, use_adarms=True)
 SIGLIP_SO400M = SiglipConfig(width=1152, depth=27, num_heads=16, mlp_dim=4304, patch_size=14, image_size=224)
 
 
-@register
-@dataclasses.dataclass(frozen=True)
-class Pi05Config(PolicyConfig):
-    """π0.5 sizes and training options; defaults are the published π0.5 (``lerobot/pi05_base``)."""
-
-    vision: SiglipConfig = SIGLIP_SO400M
-    vlm: GemmaConfig = GEMMA_2B
-    expert: GemmaConfig = GEMMA_300M
-    vocab_size: int = 257_152
-    camera_names: tuple[str, ...] = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
-    max_token_len: int = 200
-    action_horizon: int = 50
-    max_action_dim: int = 32
-    action_dim: int = 32  # real action dims (loss mask) when the batch has no action_dim_mask
-    max_state_dim: int = 32
-    num_inference_steps: int = 10
-    flow_samples_per_obs: int = 1
-    joint_forward: bool = False
-    time_beta: tuple[float, float] = (1.5, 1.0)
-    time_scale: float = 0.999
-    time_offset: float = 0.001
-    min_period: float = 4e-3
-    max_period: float = 4.0
-    dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
-    param_dtype: str = "float32"
-    attention_impl: str = "auto"
-    block_sparse_tiling: BlockSparseTiling | None = None  # packed rows' attention (None: the platform's)
-    scan_layers: bool = True
-    remat_policy: str = "none"
-    fp8: str = "none"
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    synthetic_prompt_len: int = 0  # real prompt tokens per synthetic sample (0: a quarter of max_token_len)
-    tokenizer_path: str | None = None  # local SentencePiece model (PaliGemma's tokenizer.model)
-    asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
-    ADDED_FIELDS = ("block_sparse_tiling",)  # runs saved before it read back with the platform's (config_registry)
-
-    def __post_init__(self):
-        if not self.expert.use_adarms:
-            raise ValueError("Pi05Config.expert.use_adarms must be True (π0.5 conditions the expert on time)")
-        if (self.expert.cond_dim or self.expert.width) != self.expert.width:
-            raise ValueError("Pi05Config.expert.cond_dim must equal expert.width (the time MLP width)")
-        if self.joint_forward and self.flow_samples_per_obs != 1:
-            raise ValueError("Pi05Config: joint_forward=True needs flow_samples_per_obs=1")
-        if self.flow_samples_per_obs < 1:
-            raise ValueError("Pi05Config: flow_samples_per_obs must be >= 1")
-        if not 0 < self.action_dim <= self.max_action_dim:
-            raise ValueError(f"Pi05Config: action_dim {self.action_dim} must be in 1..max_action_dim")
-
-    def make(self, rngs: nnx.Rngs) -> Pi05Policy:
-        return Pi05Policy(self, rngs=rngs)
-
-    def fit_to_dataset(self, features: DatasetFeatures) -> Pi05Config:
-        """``action_dim`` = the dataset's action width (the loss mask); state and actions must fit
-        the padded widths. The image slots stay the model's (the data maps cameras onto them)."""
-        if features.state_dim > self.max_state_dim:
-            raise ValueError(
-                f"the state has {features.state_dim} dims, more than π0.5's max_state_dim={self.max_state_dim} "
-                "(--model.max-state-dim)"
-            )
-        if features.action_dim > self.max_action_dim:
-            raise ValueError(
-                f"the action has {features.action_dim} dims, more than π0.5's max_action_dim={self.max_action_dim} "
-                "(the width of its action projections, fixed by pretrained weights)"
-            )
-        return dataclasses.replace(self, action_dim=features.action_dim)
-
-    def freeze_regexes(self) -> tuple[str, ...]:
-        """Trainer freeze regexes: with LoRA (``lora_rank`` > 0) only ``lora_a``/``lora_b`` train."""
-        return (LORA_FREEZE_REGEX,) if self.lora_rank else ()
-
-    @property
-    def image_token_id(self) -> int:
-        """Image-token id in packed token streams: PaliGemma's ``<image>``, just past the vocabulary."""
-        return self.vocab_size
-
-    @property
-    def max_prefix_len(self) -> int:
-        """The longest prefix of one sample: every camera's image tokens and a full prompt."""
-        return len(self.camera_names) * self.vision.num_patches + self.max_token_len
-
-    def input_builder(self, packed: bool = False):
-        """The per-sample input builder (prompt with discrete state, images, padded actions);
-        ``packed``: variable-length samples for ``data/packing.py``."""
-        from embodied_jax.models.pi05_inputs import Pi05InputBuilder
-
-        if self.tokenizer_path is None:
-            raise AssetError(
-                "model.tokenizer_path is not set: give --model.tokenizer-path (PaliGemma's tokenizer.model) "
-                "or --init-from weights that carry one"
-            )
-        size = self.vision.image_size
-        return Pi05InputBuilder(
-            tokenizer_path=self.tokenizer_path,
-            camera_names=self.camera_names,
-            image_size=tuple(size) if isinstance(size, (tuple, list)) else (size, size),
-            max_token_len=self.max_token_len,
-            max_state_dim=self.max_state_dim,
-            max_action_dim=self.max_action_dim,
-            packed=packed,
-            image_tokens=self.vision.num_patches,
-            image_token_id=self.image_token_id,
-        )
-
-    def training_flops(self, batch) -> dict[str, float]:
-        """Analytic training FLOPs of one step on ``batch`` (NumPy; unpacked or packed rows):
-        ``weights`` (every weight matmul of every token the batch carries, padding included)
-        and ``attention`` (q·k and p·v: dense over an unpacked row's prefix, per sample in
-        packed rows). Everything trains unless LoRA is on (then only activations flow back)."""
-        from embodied_jax.nn import flops
-
-        vlm, expert, patches = self.vlm, self.expert, self.vision.num_patches
-        k, hzn = self.flow_samples_per_obs, self.action_horizon
-        if "segment_ids" in batch:
-            seg = np.asarray(batch["segment_ids"])
-            rows, length = seg.shape
-            slots = int(np.asarray(batch["sample_mask"]).size)
-            images = rows * int(np.asarray(batch["images"]).shape[1])
-            lengths = [np.bincount(r[r > 0], minlength=1)[1:] for r in seg]
-            prefix_pairs = sum(flops.attention_pairs(row.tolist()) for row in lengths)
-            keys = sum(int(n) + hzn for row in lengths for n in row)  # per present sample: its prefix + suffix
-            prefix_tokens = rows * length
-        else:
-            rows, text = np.asarray(batch["tokens"]).shape
-            length = len(self.camera_names) * patches + text
-            slots, images, prefix_tokens = rows, rows * len(self.camera_names), rows * length
-            prefix_pairs = rows * flops.attention_pairs((), dense_length=length)
-            keys = rows * (length + hzn)
-        suffix_tokens = slots * k * hzn
-        suffix_pairs = k * hzn * keys
-        common = dict(heads=vlm.num_heads, kv_heads=vlm.num_kv_heads, head_dim=vlm.head_dim, gated=True)
-        weights, attention = flops.Tally(), flops.Tally()
-        trains = not self.lora_rank
-        weights.add(
-            flops.siglip(self.vision, images) + 2 * images * patches * self.vision.width * vlm.width, trains=trains
-        )
-        per_layer = flops.transformer_layer(prefix_tokens, 0, width=vlm.width, mlp_dim=vlm.mlp_dim, **common)
-        suffix_layer = flops.transformer_layer(suffix_tokens, 0, width=expert.width, mlp_dim=expert.mlp_dim, **common)
-        head = 2 * suffix_tokens * self.max_action_dim * expert.width * 2 + 2 * slots * k * 2 * expert.width**2
-        weights.add(vlm.depth * (per_layer + suffix_layer) + head, trains=trains)
-        attention.add(
-            vlm.depth * 4 * (prefix_pairs + suffix_pairs) * vlm.num_heads * vlm.head_dim,
-            trains=trains,
-            after_trainable=True,
-        )
-        # The prefix's last-layer output projection and MLP feed nothing (only its keys and
-        # values are read); upstream computes them, XLA removes them from an unrolled stack.
-        dead = flops.Tally(upstream_trains=True)
-        dead.add(
-            flops.transformer_layer(prefix_tokens, 0, width=vlm.width, mlp_dim=vlm.mlp_dim, **common)
-            - 2 * prefix_tokens * vlm.width * (vlm.num_heads + 2 * vlm.num_kv_heads) * vlm.head_dim,
-            trains=trains,
-        )
-        return {"weights": weights.total, "attention": attention.total, "unused": dead.total}
-
-    def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
-        from embodied_jax.models.pi05_inputs import synthetic_pi05_batch
-
-        return synthetic_pi05_batch(self, batch_size, seed)
+if TYPE_CHECKING:  # the config imports this module (its make() builds the policy)
+    from embodied_jax.models.pi05.config import Pi05Config
 
 
 @dataclasses.dataclass
