@@ -129,17 +129,8 @@ class Gr00tPolicy(nnx.Module):
             actions, state_features, slots = draws(actions), draws(state_features), draws(slots)
         x_t = (1.0 - t[:, None, None]) * noise + t[:, None, None] * actions
         buckets = jnp.floor(t * self.config.num_timestep_buckets).astype(jnp.int32)
-        velocity = head.velocity(
-            state_features,
-            x_t,
-            buckets,
-            slots,
-            vl,
-            q_segment_ids=layout["dit_q"],
-            kv_segment_ids=layout["dit_kv"],
-            context_gather=layout["context_gather"],
-            key=k_dit if train_dropout and self.config.tune_diffusion_model else None,
-        )
+        dropout_key = k_dit if train_dropout and self.config.tune_diffusion_model else None
+        velocity = _dit_velocity(head, state_features, x_t, buckets, slots, vl, layout, key=dropout_key)
         mask = samples.get("action_mask", jnp.ones((n, horizon, adim))).astype(jnp.float32) * present[:, None, None]
         sq = jnp.square(velocity - (actions - noise)).reshape(n, k, horizon, adim) * mask[:, None]
         return sq.sum(axis=(1, 2, 3)), k * mask.sum(axis=(1, 2))
@@ -151,16 +142,7 @@ class Gr00tPolicy(nnx.Module):
         head = self.action_head
         state_features = head.encode_state(jnp.asarray(observation["state"], jnp.float32), slots)
         buckets = jnp.floor(jnp.asarray(time, jnp.float32) * self.config.num_timestep_buckets).astype(jnp.int32)
-        return head.velocity(
-            state_features,
-            jnp.asarray(noisy_actions, jnp.float32),
-            buckets,
-            slots,
-            vl,
-            q_segment_ids=layout["dit_q"],
-            kv_segment_ids=layout["dit_kv"],
-            context_gather=layout["context_gather"],
-        )
+        return _dit_velocity(head, state_features, jnp.asarray(noisy_actions, jnp.float32), buckets, slots, vl, layout)
 
     def loss(self, batch, rng, *, noise=None, time=None):
         errors, counts = self.per_sample_losses(batch, rng, noise=noise, time=time)
@@ -207,16 +189,7 @@ class Gr00tPolicy(nnx.Module):
         schedule = flow.FlowSchedule(times=jnp.arange(k, dtype=jnp.float32) * dt, dt=dt, clean_time=1.0)
 
         def velocity(head, x, i):  # head: the action head, rebuilt inside the loop (nn/traced.py)
-            return head.velocity(
-                state_features,
-                x,
-                jnp.full((b,), buckets[i]),
-                slots,
-                vl,
-                q_segment_ids=layout["dit_q"],
-                kv_segment_ids=layout["dit_kv"],
-                context_gather=layout["context_gather"],
-            )
+            return _dit_velocity(head, state_features, x, jnp.full((b,), buckets[i]), slots, vl, layout)
 
         guidance = None
         if prefix_actions is None:
@@ -227,3 +200,18 @@ class Gr00tPolicy(nnx.Module):
             )
             guidance = flow.Guidance(y, w, max_guidance)
         return flow.sample(self.action_head, velocity, x, schedule, guidance=guidance, trace=trace)
+
+
+def _dit_velocity(head, state_features, x, buckets, slots, vl, layout, key=None):
+    """The action head's velocity at ``x`` with the VL features' segment layout (``gr00t_layout``)."""
+    return head.velocity(
+        state_features,
+        x,
+        buckets,
+        slots,
+        vl,
+        q_segment_ids=layout["dit_q"],
+        kv_segment_ids=layout["dit_kv"],
+        context_gather=layout["context_gather"],
+        key=key,
+    )
