@@ -1,5 +1,10 @@
 """Benchmark tools that tests can afford: ``compare_steps`` on the toy experiment."""
 
+import importlib
+
+import pytest
+import tyro
+
 from experiments.benchmarks import compare_steps
 
 
@@ -12,6 +17,50 @@ def test_compare_steps_times_every_variant_in_one_process(capsys):
         assert row["median_step_s"] > 0 and row["q1_step_s"] <= row["median_step_s"] and row["median_cpu_s"] > 0
     assert rows[1]["ratio_to_first"] == rows[1]["median_step_s"] / rows[0]["median_step_s"]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"experiment": "toy"')
+
+
+@pytest.mark.parametrize(
+    "module, argv, expected",
+    [
+        (
+            "serve_load",
+            ["RUN", "--honest", "4", "--hostile", "12", "--seconds", "60", "--kinds", "idle", "flood"],
+            {"run": "RUN", "honest": 4, "hostile": 12, "seconds": 60.0, "kinds": ("idle", "flood")},
+        ),
+        (
+            "serve_latency",
+            ["--policy", "A", "--policy", "B", "--models", "pi05_bench", "gr00t_bench", "--max-batch", "1", "8"],
+            {"policy": ("A", "B"), "models": ("pi05_bench", "gr00t_bench"), "max_batch": (1, 8), "clients": (1, 4, 16)},
+        ),
+        (
+            "rtc_delay",
+            ["--policy", "RUN", "--task", "reach", "--envs", "64", "--execute-steps", "4", "--delays", "0", "2"],
+            {"policy": "RUN", "task": "reach", "envs": 64, "execute_steps": 4, "delays": (0, 2), "seed": None},
+        ),
+        (
+            "scale_report",
+            ["gr00t_n15", "--devices", "1024", "--round-node-hours", "15", "--", "--train.batch-size", "4"],
+            {"name": "gr00t_n15", "devices": 1024, "round_node_hours": 15.0, "overrides": ("--train.batch-size", "4")},
+        ),
+    ],
+)
+def test_documented_command_lines_parse(module, argv, expected):
+    """The benchmarks' flags (tyro) as docs/*.md and their docstrings spell them."""
+    flags = tyro.cli(importlib.import_module(f"experiments.benchmarks.{module}").Flags, args=argv)
+    assert {key: getattr(flags, key) for key in expected} == expected
+
+
+def test_variants_and_launcher_overrides_reach_the_launcher_as_given():
+    """A variant that is one flag (``--variant "--model.scan-layers"``) is a value, not the next flag;
+    train_step passes what is not its own on to the launcher."""
+    argv = compare_steps._attach_variant_values(["toy", "--variant", "", "--variant", "--model.scan-layers"])
+    assert tyro.cli(compare_steps.Flags, args=argv).variant == ("", "--model.scan-layers")
+    from experiments.benchmarks import train_step
+
+    argv = ["gr00t_bench", "--steps", "1", "--train.batch-size", "4", "--matmul-floor"]
+    bench, rest = tyro.cli(train_step.Flags, args=argv, return_unknown_args=True, add_help=False)
+    assert (bench.steps, bench.warmup, bench.matmul_floor) == (1, 2, True)
+    assert rest == ["gr00t_bench", "--train.batch-size", "4"]
 
 
 def test_lerobot_reference_step_builds_the_bench_model_sizes():

@@ -12,23 +12,48 @@ CPU seconds, the ratio of each median to the first variant's, and ends with one 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import shlex
 import statistics
 import sys
+from typing import Annotated
+
+import tyro
 
 from embodied_jax.errors import InputError
 from experiments.benchmarks import harness
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """compare_steps's command line."""
+
+    experiment: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="NAME")]]
+    """the experiment (as the launcher names it)"""
+    variant: tyro.conf.UseAppendAction[Annotated[tuple[str, ...], tyro.conf.arg(metavar="ARGS")]] = ()
+    """overrides of one variant ('' for none)"""
+    rounds: int = 12
+
+
+def _attach_variant_values(argv: list[str]) -> list[str]:
+    """``--variant VALUE`` as ``--variant=VALUE``: a variant's overrides start with ``--``
+    (``--variant "--model.scan-layers"``), which tyro would otherwise take for the next flag."""
+    out, args = [], iter(argv)
+    for arg in args:
+        value = next(args, None) if arg == "--variant" else None
+        out.append(arg if value is None else f"--variant={value}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment")
-    parser.add_argument("--variant", action="append", default=[], help="overrides of one variant ('' for none)")
-    parser.add_argument("--rounds", type=int, default=12)
-    args = parser.parse_args(argv)
+    args = tyro.cli(
+        Flags,
+        args=_attach_variant_values(argv),
+        prog="python -m experiments.benchmarks.compare_steps",
+        description=__doc__.splitlines()[0],
+    )
     if len(args.variant) < 2:
         raise InputError("compare_steps: give at least two --variant (use --variant '' for the experiment as is)")
 
@@ -59,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = {
             "variant": variant,
             "median_step_s": wall,
-            "q1_step_s": statistics.quantiles(run["wall"], n=4)[0],
+            # one round (--rounds 1): its one time is the quartile too
+            "q1_step_s": statistics.quantiles(run["wall"], n=4)[0] if len(run["wall"]) > 1 else wall,
             "median_cpu_s": cpu,
             "ratio_to_first": wall / base,
         }

@@ -12,13 +12,14 @@ loader on a 2-core machine on such data: about 110 samples/s with 0 workers, 165
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import pathlib
 import sys
 import tempfile
 import time
 
 import numpy as np
+import tyro
 
 from embodied_jax.data.convert import convert
 from embodied_jax.data.pipeline import DataConfig, SourceConfig, make_data_iterator
@@ -84,11 +85,20 @@ def measure(config: DataConfig, batches: int, warmup: int = 3) -> tuple[float, f
         return batches * 8 / wall, 1000 * cpu / (batches * 8)
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """data_throughput's command line."""
+
+    workdir: str | None = None
+    """where to keep the generated dataset and store (default: a temp dir)"""
+    batches: int = 40
+    """timed batches per configuration"""
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", help="where to keep the generated dataset and store (default: a temp dir)")
-    parser.add_argument("--batches", type=int, default=40, help="timed batches per configuration")
-    args = parser.parse_args(argv)
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.data_throughput", description=__doc__.splitlines()[0]
+    )
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="data_throughput_"))
     raw = generate(workdir / "lerobot")
     store = workdir / "framestore"

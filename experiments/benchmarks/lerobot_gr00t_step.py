@@ -45,7 +45,6 @@ import time
 import types
 from pathlib import Path
 
-from experiments.benchmarks import harness
 
 # The sizes of experiments/gr00t.py BENCH_MODEL (tests/test_benchmarks.py holds them equal).
 IMAGE_TOKEN_ID = 2047
@@ -357,4 +356,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(harness.run(main, "lerobot_gr00t_step"))
+    main()  # runs in a separate torch environment: no jax, no project imports (nothing to --record with)

@@ -32,13 +32,13 @@ samples unpadded (``training_flops``: weight matmuls plus attention's quadratic 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
 import sys
 
 import numpy as np
+import tyro
 
 from embodied_jax import host_malloc
 from experiments.benchmarks import harness
@@ -190,17 +190,29 @@ def time_interleaved(state, layouts: dict, warmup: int, rounds: int):
     return medians, {name: float(v) for name, v in loss.items()}, holder["state"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """packing's own flags; the rest of the command line (MODEL and overrides) goes to the launcher."""
+
+    batch: int = 8
+    """samples per padded step (packed: the same on average)"""
+    steps: int = 3
+    """steps of each layout (the same samples)"""
+    rounds: int = 2
+    """timed passes over every layout's steps"""
+    warmup: int = 1
+    """untimed passes first"""
+    seq_len: int = 0
+    """packed row length (0: the cheapest multiple of 128)"""
+    seed: int = 0
+    profile: str | None = None
+    """trace one step of each layout here, print the top ops"""
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--batch", type=int, default=8, help="samples per padded step (packed: the same on average)")
-    parser.add_argument("--steps", type=int, default=3, help="steps of each layout (the same samples)")
-    parser.add_argument("--rounds", type=int, default=2, help="timed passes over every layout's steps")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed passes first")
-    parser.add_argument("--seq-len", type=int, default=0, help="packed row length (0: the cheapest multiple of 128)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", default=None, help="trace one step of each layout here, print the top ops")
-    bench, rest = parser.parse_known_args(argv)
+    # --help is the launcher's (MODEL --help lists the experiment's overrides)
+    bench, rest = tyro.cli(Flags, args=argv, return_unknown_args=True, add_help=False)
 
     from embodied_jax.data.packing import PackingConfig, pack_samples
     from embodied_jax.models.gr00t import Gr00tConfig

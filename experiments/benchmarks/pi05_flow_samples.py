@@ -11,14 +11,15 @@ so the extra draws' effect on sample efficiency is visible beside their cost.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
+from typing import Literal
 
 import jax
 import numpy as np
 import optax
+import tyro
 from flax import nnx
 
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
@@ -61,13 +62,21 @@ def run(config, batches, held_out, steps, mesh):
     return examples / seconds, loss
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """pi05_flow_samples's command line."""
+
+    model: Literal["bench", "tiny"] = "bench"
+    steps: int = 5
+    """training steps (the first compiles, untimed)"""
+    batch: int = 4
+    draws: int = 4
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("bench", "tiny"), default="bench")
-    parser.add_argument("--steps", type=int, default=5, help="training steps (the first compiles, untimed)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--draws", type=int, default=4)
-    args = parser.parse_args(argv)
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.pi05_flow_samples", description=__doc__.split("\n")[0]
+    )
     base = bench_model() if args.model == "bench" else tiny_model()
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
     batches = [base.synthetic_batch(args.batch, seed=i) for i in range(4)]

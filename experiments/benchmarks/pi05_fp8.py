@@ -13,14 +13,15 @@ anything there; the speed-up needs FP8 tensor cores (H100/H200).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
 import time
+from typing import Literal
 
 import jax
 import numpy as np
+import tyro
 
 from experiments.benchmarks import harness
 
@@ -52,12 +53,20 @@ def run(config, steps: int, num_batches: int = 4) -> tuple[float, list[float]]:
     return statistics.median(times), losses
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """pi05_fp8's command line."""
+
+    experiment: Literal["pi05_tiny", "pi05_bench"] = "pi05_tiny"
+    steps: int = 20
+    batch: int | None = None
+    """default: the experiment's batch size"""
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--experiment", default="pi05_tiny", choices=("pi05_tiny", "pi05_bench"))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=None, help="default: the experiment's batch size")
-    args = parser.parse_args(argv)
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.pi05_fp8", description=__doc__.split("\n")[0]
+    )
 
     from embodied_jax.parallel.mesh import MeshConfig
     from embodied_jax.train.config import CheckpointConfig, MetricsConfig

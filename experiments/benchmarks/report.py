@@ -9,11 +9,13 @@ committed section differs from what the results give (a test runs it).
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import pathlib
 import sys
 from typing import Any
+
+import tyro
 
 from experiments.benchmarks.harness import RESULTS
 
@@ -108,10 +110,18 @@ def _section(text: str) -> str | None:
     return text[text.index(BEGIN) : text.index(END) + len(END)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """report's command line."""
+
+    check: bool = False
+    """exit 1 when docs/performance.md is out of date"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/performance.md is out of date")
-    args = parser.parse_args(argv)
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.report", description=__doc__.splitlines()[0]
+    )
     text = DOC.read_text()
     section, fresh = _section(text), render()
     if args.check:

@@ -16,12 +16,14 @@ the stencils straddling a chunk switch and elsewhere. Prints a markdown table an
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
 import time
+from typing import Annotated
 
 import jax
+import tyro
 
 from experiments.benchmarks import harness
 
@@ -73,23 +75,37 @@ def table(cells) -> str:
     return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """rtc_delay's command line."""
+
+    policy: Annotated[str, tyro.conf.arg(metavar="RUN_DIR")]
+    """a trained run (load_policy)"""
+    task: str = "reach"
+    envs: int = 64
+    execute_steps: int = EXECUTE_STEPS
+    """K: actions per replan"""
+    delays: tuple[int, ...] = DELAYS
+    """inference delays d (steps)"""
+    seed: int | None = None
+    """episode and noise seed (default: the run's)"""
+    max_guidance: float = 5.0
+    """RTC's maximum guidance weight β"""
+
+
 def main(argv=None) -> dict:
     from embodied_jax.evaluate import EvaluationError, check_task, defaults
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", required=True, metavar="RUN_DIR", help="a trained run (load_policy)")
-    parser.add_argument("--task", default="reach")
-    parser.add_argument("--envs", type=int, default=64)
-    parser.add_argument("--execute-steps", type=int, default=EXECUTE_STEPS, help="K: actions per replan")
-    parser.add_argument("--delays", type=int, nargs="+", default=list(DELAYS), help="inference delays d (steps)")
-    parser.add_argument("--seed", type=int, default=None, help="episode and noise seed (default: the run's)")
-    parser.add_argument("--max-guidance", type=float, default=5.0, help="RTC's maximum guidance weight β")
-    args = parser.parse_args(argv)
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.rtc_delay", description=__doc__.splitlines()[0]
+    )
     k = args.execute_steps
     if args.envs < 1:
         raise EvaluationError(f"--envs {args.envs}: evaluate at least one environment")
     if k < 1:
         raise EvaluationError(f"--execute-steps {k}: execute at least one action of each chunk")
+    if not args.delays:
+        raise EvaluationError("--delays: name at least one inference delay")
     bad = [d for d in args.delays if not 0 <= d <= k]
     if bad:
         raise EvaluationError(f"--delays {bad}: each between 0 and --execute-steps {k} (each chunk must arrive first)")

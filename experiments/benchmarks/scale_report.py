@@ -26,11 +26,13 @@ is the compiled configuration.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import sys
+from typing import Annotated
+
+import tyro
 
 from experiments.benchmarks import harness
 
@@ -60,37 +62,33 @@ def gpu_payload(rt_parts, mesh, remat: bool, rules) -> tuple[dict[str, float], f
     return {k: v * g / (g - 1) if g > 1 else 0.0 for k, v in wire.items() if k != "total"}, wire["total"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """scale_report's command line."""
+
+    name: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="NAME")]]
+    """experiment (pi05, gr00t_n15, ...)"""
+    devices: int
+    """virtual devices to compile for (fsdp = N)"""
+    gpus_per_node: int = 8
+    examples_per_device: int | None = None
+    """per-device batch (default: pi05 32, gr00t_n15 64)"""
+    mfu: float = 0.4
+    """achieved fraction of peak bf16 FLOP/s"""
+    overlap: float = 0.8
+    """communication hidden behind compute, as a fraction of the compute time"""
+    round_examples: float | None = None
+    """also report the wall time of a training round of this many examples"""
+    round_node_hours: float | None = None
+    """... or of the round that one node (--gpus-per-node GPUs) trains in this many hours"""
+    overrides: tyro.conf.Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="[OVERRIDES ...]")]] = ()
+    """experiment overrides, after --"""
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.benchmarks.scale_report", description=__doc__.split("\n\n")[0]
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.scale_report", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("name", help="experiment (pi05, gr00t_n15, ...)")
-    parser.add_argument("--devices", type=int, required=True, help="virtual devices to compile for (fsdp = N)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument(
-        "--examples-per-device", type=int, default=None, help="per-device batch (default: pi05 32, gr00t_n15 64)"
-    )
-    parser.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak bf16 FLOP/s")
-    parser.add_argument(
-        "--overlap",
-        type=float,
-        default=0.8,
-        help="communication hidden behind compute, as a fraction of the compute time",
-    )
-    parser.add_argument(
-        "--round-examples",
-        type=float,
-        default=None,
-        help="also report the wall time of a training round of this many examples",
-    )
-    parser.add_argument(
-        "--round-node-hours",
-        type=float,
-        default=None,
-        help="... or of the round that one node (--gpus-per-node GPUs) trains in this many hours",
-    )
-    parser.add_argument("overrides", nargs="*", help="experiment overrides, after --")
-    args = parser.parse_args(argv)
 
     from embodied_jax.parallel.virtual_devices import use_virtual_devices
 
@@ -183,18 +181,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{throughput:>11.1f} {row['scaling_efficiency']:>8.1%}"
         )
     one_node = next((r for r in rows if r["devices"] == args.gpus_per_node), None)
+    round_examples = args.round_examples
     if args.round_node_hours and one_node:
-        args.round_examples = args.round_node_hours * 3600 * one_node["examples_per_s"]
+        round_examples = args.round_node_hours * 3600 * one_node["examples_per_s"]
         print(
-            f"round: the {args.round_examples:.3g} examples one {args.gpus_per_node}-GPU node trains in "
+            f"round: the {round_examples:.3g} examples one {args.gpus_per_node}-GPU node trains in "
             f"{args.round_node_hours:g} h"
         )
-    if args.round_examples:
+    if round_examples:
         for row in rows:
             print(
-                f"a round of {args.round_examples:.3g} examples on {row['devices']} H200: "
-                f"{args.round_examples / row['examples_per_s'] / 60:.1f} min "
-                f"({math.ceil(args.round_examples / (per_device * row['devices']))} steps)"
+                f"a round of {round_examples:.3g} examples on {row['devices']} H200: "
+                f"{round_examples / row['examples_per_s'] / 60:.1f} min "
+                f"({math.ceil(round_examples / (per_device * row['devices']))} steps)"
             )
     compiled_row = dict(next(r for r in rows if r["devices"] == args.devices))
     compiled_row.update(

@@ -13,15 +13,17 @@ Prints the largest action difference over the whole rollout and both success cou
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
+import dataclasses
 import json
 import sys
 import time
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tyro
 
 from experiments.benchmarks import harness
 
@@ -57,14 +59,23 @@ def _callback_act(answer, bundle, instruction: str, recorded: list):
     return act
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """serve_closed_loop's command line."""
+
+    run: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="RUN_DIR")]]
+    """a trained run or exported policy"""
+    task: str | None = None
+    """default: the run's evaluation task"""
+    envs: int = 64
+    max_batch: int = 8
+    batch_timeout_ms: float = 5.0
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="a trained run or exported policy")
-    parser.add_argument("--task", default=None, help="default: the run's evaluation task")
-    parser.add_argument("--envs", type=int, default=64)
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--batch-timeout-ms", type=float, default=5.0)
-    args = parser.parse_args(argv)
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.serve_closed_loop", description=__doc__.splitlines()[0]
+    )
 
     from embodied_jax import load_policy
     from embodied_jax.bundle import row_keys

@@ -14,7 +14,6 @@ speed only). Prints a markdown table and one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import dataclasses
@@ -27,7 +26,9 @@ import time
 
 import jax
 import numpy as np
+import tyro
 
+from embodied_jax.errors import InputError
 from experiments.benchmarks import harness
 
 
@@ -155,16 +156,26 @@ def _load(port: int, observation: dict, clients: int, requests: int) -> dict:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """serve_latency's command line."""
+
+    policy: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a trained run or exported policy"""
+    models: tuple[str, ...] = ()
+    """stand-in sizes: pi05_bench, gr00t_bench"""
+    clients: tuple[int, ...] = (1, 4, 16)
+    max_batch: tuple[int, ...] = (1, 4, 8)
+    requests: int = 16
+    """per client"""
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", action="append", default=[], help="a trained run or exported policy (repeatable)")
-    parser.add_argument("--models", nargs="*", default=[], help="stand-in sizes: pi05_bench, gr00t_bench")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--max-batch", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--requests", type=int, default=16, help="per client")
-    args = parser.parse_args(argv)
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.serve_latency", description=__doc__.splitlines()[0]
+    )
     if not args.policy and not args.models:
-        parser.error("name at least one --policy RUN_DIR or --models NAME")
+        raise InputError("serve_latency: name at least one --policy RUN_DIR or --models NAME")
 
     from embodied_jax import load_policy
     from embodied_jax.serve.server import PolicyServer

@@ -24,8 +24,8 @@ process's RSS before, at its peak and after, and one JSON line. Everything is bo
 
 from __future__ import annotations
 
-import argparse
 import collections
+import dataclasses
 import gc
 import json
 import multiprocessing
@@ -33,12 +33,16 @@ import socket
 import sys
 import threading
 import time
+from typing import Annotated, Literal, get_args
 
 import numpy as np
+import tyro
 
+from embodied_jax.errors import InputError
 from experiments.benchmarks import harness
 
-KINDS = ("oversized", "malformed", "poisoned", "never_reading", "idle", "flood")
+Kind = Literal["oversized", "malformed", "poisoned", "never_reading", "idle", "flood"]
+KINDS = get_args(Kind)
 
 
 def _rss_mb() -> float:
@@ -267,22 +271,37 @@ class Robots:
             c.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """serve_load's command line."""
+
+    run: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]]
+    """a trained run directory or an exported policy"""
+    honest: int = 4
+    hostile: int = 12
+    """attackers, spread over --kinds"""
+    kinds: tuple[Kind, ...] = KINDS
+    """the hostile kinds to run"""
+    seconds: float = 60.0
+    """under attack"""
+    unloaded_seconds: float = 15.0
+    think_ms: float = 50.0
+    """honest robots execute their actions this long"""
+    max_batch: int = 8
+    max_message_mb: float = 8.0
+    max_connections: int = 64
+    refusal_backoff_s: float = 2.0
+    """0: hosts refused again are read at once"""
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="a trained run directory or an exported policy")
-    parser.add_argument("--honest", type=int, default=4)
-    parser.add_argument("--hostile", type=int, default=12, help="attackers, spread over --kinds")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the hostile kinds to run")
-    parser.add_argument("--seconds", type=float, default=60.0, help="under attack")
-    parser.add_argument("--unloaded-seconds", type=float, default=15.0)
-    parser.add_argument("--think-ms", type=float, default=50.0, help="honest robots execute their actions this long")
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--max-message-mb", type=float, default=8.0)
-    parser.add_argument("--max-connections", type=int, default=64)
-    parser.add_argument("--refusal-backoff-s", type=float, default=2.0, help="0: hosts refused again are read at once")
-    args = parser.parse_args(argv)
-    if args.honest < 1 or args.hostile < 0 or args.seconds <= 0 or args.unloaded_seconds <= 0:
-        parser.error("--honest >= 1, --hostile >= 0, --seconds and --unloaded-seconds > 0")
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.serve_load", description=__doc__.splitlines()[0]
+    )
+    if args.honest < 1 or args.hostile < 0 or args.seconds <= 0 or args.unloaded_seconds <= 0 or not args.kinds:
+        raise InputError(
+            "serve_load: --honest >= 1, --hostile >= 0, --seconds and --unloaded-seconds > 0, at least one of --kinds"
+        )
 
     from embodied_jax import host_malloc, load_policy
     from experiments.benchmarks.serve_latency import RunningServer

@@ -21,16 +21,18 @@ Prints every figure and the ratios from this one run.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import functools
 import sys
 import time
 import types
+from typing import Annotated, Literal
 
 import jax
 import jax.numpy as jnp
 import mujoco
 import numpy as np
+import tyro
 from mujoco import mjx
 
 from embodied_jax.sim import env as env_lib
@@ -41,6 +43,7 @@ from embodied_jax.sim import tasks as tasks_lib
 from experiments.benchmarks import harness
 
 HORIZON, EXECUTE = 10, 5
+TaskName = Literal[tuple(sorted(tasks_lib.TASKS))]  # the registered tasks: --task's choices
 
 
 def trivial_policy(env: env_lib.Env, horizon: int = HORIZON):
@@ -172,28 +175,32 @@ def loop_episodes_per_s(env: env_lib.Env, episodes: int, act) -> tuple[float, st
     return episodes / (time.perf_counter() - start), how
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """sim_throughput's command line."""
+
+    task: TaskName = "reach"
+    batches: tuple[int, ...] = (1, 64, 256)
+    physics_batch: int = 64
+    image_size: int = 64
+    baseline_episodes: int = 4
+    policy: Annotated[str | None, tyro.conf.arg(metavar="CKPT_DIR")] = None
+    """a trained policy (load_policy); its image size replaces --image-size"""
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="reach", choices=sorted(tasks_lib.TASKS))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--physics-batch", type=int, default=64)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--baseline-episodes", type=int, default=4)
-    parser.add_argument(
-        "--policy",
-        default=None,
-        metavar="CKPT_DIR",
-        help="a trained policy (load_policy); its image size replaces --image-size",
+    args = tyro.cli(
+        Flags, args=argv, prog="python -m experiments.benchmarks.sim_throughput", description=__doc__.splitlines()[0]
     )
-    args = parser.parse_args(argv)
     bundle = None
+    image_size = args.image_size
     if args.policy:
         from embodied_jax import load_policy
 
         bundle = load_policy(args.policy)
-        args.image_size = bundle.config.data.data.image_size[0]
+        image_size = bundle.config.data.data.image_size[0]
     policy = "trivial stand-in" if bundle is None else f"{type(bundle.config.model).__name__} from {args.policy}"
-    print(f"devices: {jax.devices()}  task: {args.task}  image {args.image_size}^2  policy: {policy}")
+    print(f"devices: {jax.devices()}  task: {args.task}  image {image_size}^2  policy: {policy}")
 
     steps = physics_steps(args.task, args.physics_batch)
     print(
@@ -207,7 +214,7 @@ def main(argv=None) -> dict:
         f"   Warp/mj_step {steps['warp'] / steps['mj_step']:.2f}"
     )
 
-    env = env_lib.Env(args.task, env_lib.EnvConfig(image_size=(args.image_size, args.image_size)))
+    env = env_lib.Env(args.task, env_lib.EnvConfig(image_size=(image_size, image_size)))
     if bundle is None:
         act = trivial_policy(env)
     else:

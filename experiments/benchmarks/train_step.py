@@ -25,7 +25,6 @@ device memory, and the arithmetic:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -35,6 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import tyro
 
 from embodied_jax import host_malloc
 from experiments.benchmarks import harness
@@ -105,16 +105,22 @@ def compile_step(config, num_batches: int = 2) -> CompiledStep:
     return CompiledStep(rt, compiled, state, host, batches, compile_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """train_step's own flags; the rest of the command line (NAME and overrides) goes to the launcher."""
+
+    warmup: int = 2
+    steps: int = 5
+    profile: str | None = None
+    """trace one step here and print the top ops"""
+    matmul_floor: bool = False
+    """also time each of the step's matmuls alone (matmul_floor.py)"""
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--profile", default=None, help="trace one step here and print the top ops")
-    parser.add_argument(
-        "--matmul-floor", action="store_true", help="also time each of the step's matmuls alone (matmul_floor.py)"
-    )
-    bench, rest = parser.parse_known_args(argv)
+    # --help is the launcher's (NAME --help lists the experiment's overrides)
+    bench, rest = tyro.cli(Flags, args=argv, return_unknown_args=True, add_help=False)
 
     from embodied_jax.parallel import distributed
     from embodied_jax.train.dry_run import peak_host_bytes
