@@ -45,7 +45,6 @@ import time
 import types
 from pathlib import Path
 
-
 # The sizes of experiments/gr00t.py BENCH_MODEL (tests/test_benchmarks.py holds them equal).
 IMAGE_TOKEN_ID = 2047
 MAX_TOKEN_LEN = 258 + 38
