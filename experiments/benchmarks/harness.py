@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -109,7 +110,7 @@ def record(benchmark: str, result: Any, command: list[str], results: pathlib.Pat
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": _commit(),
         "machine": machine(),
-        "command": " ".join(["python -m", f"experiments.benchmarks.{benchmark}", *command]),
+        "command": f"python -m experiments.benchmarks.{benchmark} {shlex.join(command)}".rstrip(),
         "result": result,
     }
     results.mkdir(parents=True, exist_ok=True)
