@@ -45,7 +45,7 @@ _CONFIG_MODULES = (
     "embodied_jax.models.pi05",
     "embodied_jax.models.gr00t",
     "embodied_jax.models.toy_flow",
-    "embodied_jax.evaluation",
+    "embodied_jax.policy_evaluation",
 )
 
 _REGISTRY: dict[str, type] = {}

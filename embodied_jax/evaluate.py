@@ -29,7 +29,7 @@ from typing import Any
 from embodied_jax.bundle import PolicyBundle
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.errors import InputError
-from embodied_jax.evaluation import SimEvaluation
+from embodied_jax.policy_evaluation import SimEvaluation
 from embodied_jax.sim.tasks import TASKS
 
 PLAYGROUND = "playground:"

@@ -22,7 +22,6 @@ from embodied_jax.data.pipeline import DataConfig
 from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.sources import LeRobotData
-from embodied_jax.evaluation import SimEvaluation
 from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.gr00t import Gr00tConfig
@@ -32,6 +31,7 @@ from embodied_jax.models.pi05 import Pi05Config
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.parallel.mesh import MeshConfig
+from embodied_jax.policy_evaluation import SimEvaluation
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
 from experiments.registry import register, register_runner
 

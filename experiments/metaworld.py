@@ -24,8 +24,8 @@ from embodied_jax.data.pipeline import DataConfig
 from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.sources import LeRobotData
-from embodied_jax.evaluation import MetaWorldEvaluation
 from embodied_jax.parallel.mesh import MeshConfig
+from embodied_jax.policy_evaluation import MetaWorldEvaluation
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
 from experiments.demo import build_tokenizer, demo_model
 from experiments.registry import register, register_runner

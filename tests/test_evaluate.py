@@ -59,7 +59,7 @@ def test_evaluate_writes_the_demos_report_next_to_the_checkpoints(evaluated, dem
 
 def test_settings_default_to_the_runs_own_evaluation_else_the_policys_input_size():
     from embodied_jax.evaluate import defaults
-    from embodied_jax.evaluation import SimEvaluation
+    from embodied_jax.policy_evaluation import SimEvaluation
 
     saved = SimEvaluation(task="reach", num_envs=7, execute_steps=3, image_size=(24, 40), seed=9, phase_in_state=True)
     run = types.SimpleNamespace(config=types.SimpleNamespace(evaluation=saved), image_size=(32, 32))

@@ -21,8 +21,8 @@ import pytest
 
 from embodied_jax.data.stats import FeatureStats, Normalizer
 from embodied_jax.nn import rtc
+from embodied_jax.sim import closed_loop as eval_lib
 from embodied_jax.sim import env as env_lib
-from embodied_jax.sim import evaluate as eval_lib
 
 ENVS, HORIZON, K, DELAY, STEPS = 8, 8, 4, 2, 24
 SOURCE = jnp.asarray([1.0, 0.0])  # grip dim: the step of the query a chunk answered

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from embodied_jax.sim import closed_loop as eval_lib
 from embodied_jax.sim import env as env_lib
-from embodied_jax.sim import evaluate as eval_lib
 from embodied_jax.sim import render as render_lib
 from tests.sim_reference import BATCH, EXPERT_EPISODES, reference_rollout
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from embodied_jax.sim import closed_loop, playground, playground_scene
 from embodied_jax.sim import env as env_lib
-from embodied_jax.sim import evaluate, playground, playground_scene
 
 pytest.importorskip("mujoco_playground", reason="MuJoCo Playground is not installed (requirements-dev.txt has it)")
 
@@ -200,10 +200,10 @@ def test_evaluator_success_rate_on_playground_env(registered):
         action = jnp.concatenate([goal, jnp.ones((num_envs, 1))], 1)
         return jnp.broadcast_to(action[:, None], (num_envs, chunk, 4))
 
-    config = evaluate.EvalConfig(num_envs=num_envs, execute_steps=chunk, num_videos=0)
-    evaluator = evaluate.Evaluator(env, act, config)
+    config = closed_loop.EvalConfig(num_envs=num_envs, execute_steps=chunk, num_videos=0)
+    evaluator = closed_loop.Evaluator(env, act, config)
     result = evaluator.rollout()
-    metrics = evaluate.summarize(env, config, result)
+    metrics = closed_loop.summarize(env, config, result)
 
     np.testing.assert_array_equal(result.success, [True, True, False, False])
     assert metrics["successes"] == 2 and metrics["success_rate"] == 0.5 and metrics["episodes"] == num_envs

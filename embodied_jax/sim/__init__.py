@@ -10,7 +10,7 @@ Public entry points (each module's docstring has the details):
 - ``rollout.make_rollout``: one jitted batched rollout of a per-step policy.
 - ``python -m embodied_jax.sim.collect TASK --episodes N --out DIR``: expert
   demonstrations as a LeRobot dataset.
-- ``evaluate.Evaluator`` / ``evaluate.evaluate_tasks``: closed-loop evaluation of any
+- ``closed_loop.Evaluator`` / ``closed_loop.evaluate_tasks``: closed-loop evaluation of any
   ``act(observation, rng) -> [B, H, A]`` with action chunking, in one jitted program,
   optionally sharded over a mesh's ``data`` axis; success rate with a Wilson 95%
   interval, episode length, reward, mp4 videos, a PNG frame grid and JSON.
@@ -31,11 +31,11 @@ _EXPORTS = {
     "EnvState": "env",
     "batch_reset": "env",
     "batch_step": "env",
-    "EvalConfig": "evaluate",
-    "Evaluator": "evaluate",
-    "evaluate_tasks": "evaluate",
-    "summarize": "evaluate",
-    "wilson_interval": "evaluate",
+    "EvalConfig": "closed_loop",
+    "Evaluator": "closed_loop",
+    "evaluate_tasks": "closed_loop",
+    "summarize": "closed_loop",
+    "wilson_interval": "closed_loop",
     "TASKS": "tasks",
     "make_task": "tasks",
 }

@@ -1,7 +1,7 @@
 """Batched, fixed-length rollouts of a per-step policy in one ``jit``/``lax.scan``.
 
 Used by the scripted-expert data collection, the tests and the benchmarks; the
-closed-loop evaluator with action chunking lives in :mod:`embodied_jax.sim.evaluate`.
+closed-loop evaluator with action chunking lives in :mod:`embodied_jax.sim.closed_loop`.
 
 A *step policy* here is ``policy(states, t, rng) -> actions [B, A]`` over a batch of
 :class:`~embodied_jax.sim.env.EnvState` (it may read privileged state: experts do).

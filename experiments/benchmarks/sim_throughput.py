@@ -35,8 +35,8 @@ import numpy as np
 import tyro
 from mujoco import mjx
 
+from embodied_jax.sim import closed_loop as eval_lib
 from embodied_jax.sim import env as env_lib
-from embodied_jax.sim import evaluate as eval_lib
 from embodied_jax.sim import rollout as rollout_lib
 from embodied_jax.sim import scenes
 from embodied_jax.sim import tasks as tasks_lib

@@ -26,6 +26,7 @@ reflections and skybox off (about 30 ms a 64 px frame on a 2-core CPU, against 1
 Meta-World's defaults).
 """
 
+from embodied_jax.sim.metaworld.closed_loop import BatchPolicy, EvalSettings, evaluate
 from embodied_jax.sim.metaworld.collect import (
     CALIBRATION_EPISODES,
     DART_TARGET,
@@ -36,7 +37,6 @@ from embodied_jax.sim.metaworld.collect import (
     expert_episode,
 )
 from embodied_jax.sim.metaworld.env import GL_PACKAGES, MetaWorldEnv, adapt, adapted_from, check_adaptable, check_gl
-from embodied_jax.sim.metaworld.evaluate import BatchPolicy, EvalSettings, evaluate
 from embodied_jax.sim.metaworld.suite import (
     ACTION_KEY,
     CAMERA,

@@ -51,7 +51,7 @@ def evaluate(
     """Closed-loop success of ``policy`` per task, per difficulty group and overall (95% Wilson
     intervals); with ``out_dir``: per-task videos of the first episodes and a frame grid."""
     from embodied_jax.sim import media
-    from embodied_jax.sim.evaluate import wilson_interval
+    from embodied_jax.sim.closed_loop import wilson_interval
 
     names = parse_tasks(tasks) if isinstance(tasks, str) else tuple(tasks)
     if settings.episodes < 1 or settings.envs < 1 or settings.execute_steps < 1:
