@@ -10,11 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from embodied_jax.data.sources import LeRobotData
-from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
-from embodied_jax.models.gr00t import Gr00tConfig
-from embodied_jax.models.gr00t_action_head import ActionHeadConfig
-from embodied_jax.models.qwen3 import Qwen3Config
-from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.models.gr00t import Gr00tConfig, variants
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, OptimizerConfig, TrainConfig
 from experiments.common import BENCH_TRAIN, DATASET, experiment, full_size, lerobot_data
 from experiments.registry import register
@@ -23,54 +19,7 @@ from experiments.registry import register
 # weight decay 1e-5, cosine schedule with 5% warmup
 _UPSTREAM_OPT = dict(lr=1e-4, b1=0.95, b2=0.999, eps=1e-8, weight_decay=1e-5, schedule="warmup_cosine")
 
-# Layers unrolled, as in π0.5's benchmark model: scanned, XLA:CPU spends the trainable step's
-# time on per-layer slices and updates of the stacked residuals and gradients (unrolled, the
-# trainable step ran 1.64 s against 2.03 s scanned, steps alternating in one process)
-BENCH_MODEL = Gr00tConfig(
-    vision=SiglipConfig(width=256, depth=4, num_heads=4, mlp_dim=1024, patch_size=14, image_size=224),
-    llm=Qwen3Config(width=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, mlp_dim=1536, vocab_size=2048),
-    select_layer=4,
-    image_token_id=2047,
-    camera_names=("ego_view",),
-    max_token_len=258 + 38,
-    action_head=ActionHeadConfig(
-        hidden_size=256,
-        input_embedding_dim=256,
-        max_num_embodiments=32,
-        num_future_tokens=32,
-        dit=DiTConfig(num_layers=4, num_heads=8, head_dim=32, output_dim=256),
-        vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=8, head_dim=64),
-    ),
-    action_dim=32,
-    action_horizon=16,
-    max_state_dim=64,
-    param_dtype="float32",
-    dtype="float32",
-    synthetic_text_tokens=(24, 38),
-    scan_layers=False,
-)
-
-TINY_MODEL = Gr00tConfig(
-    vision=SiglipConfig(width=32, depth=2, num_heads=2, mlp_dim=64, patch_size=14, image_size=28),
-    llm=Qwen3Config(width=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96, vocab_size=128),
-    select_layer=2,
-    image_token_id=127,
-    max_token_len=24,
-    action_head=ActionHeadConfig(
-        hidden_size=32,
-        input_embedding_dim=32,
-        max_num_embodiments=4,
-        num_future_tokens=4,
-        max_seq_len=16,
-        dit=DiTConfig(num_layers=2, num_heads=2, head_dim=16, output_dim=32),
-        vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=16),
-    ),
-    action_dim=6,
-    action_horizon=4,
-    max_state_dim=8,
-    dtype="float32",
-    synthetic_text_tokens=(6, 12),
-)
+BENCH_MODEL, TINY_MODEL = variants.bench(), variants.tiny()  # the sizes: models/gr00t/variants.py
 
 
 def _optimizer(model: Gr00tConfig, **overrides) -> OptimizerConfig:

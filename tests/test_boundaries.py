@@ -297,3 +297,17 @@ def test_a_non_policy_model_config_is_a_config_error():
 
     with pytest.raises(ConfigError, match="model: NotAPolicy does not subclass embodied_jax.policy.PolicyConfig"):
         validate(ExperimentConfig(model=NotAPolicy()), num_devices=1)
+
+
+def test_each_model_family_names_its_sizes_once():
+    """``models/<family>/variants.py``: the experiments' sizes are these very configs."""
+    from embodied_jax.models.gr00t import variants as gr00t_variants
+    from embodied_jax.models.pi05 import variants as pi05_variants
+    from experiments import gr00t, pi05
+
+    for family in (pi05_variants, gr00t_variants):
+        assert set(family.VARIANTS) == {"tiny", "bench", "full"}
+        with pytest.raises(KeyError, match="known: tiny, bench, full"):
+            family.variant("huge")
+    assert pi05.tiny_model() == pi05_variants.variant("tiny") and pi05.bench_model() == pi05_variants.variant("bench")
+    assert gr00t.TINY_MODEL == gr00t_variants.variant("tiny") and gr00t.BENCH_MODEL == gr00t_variants.variant("bench")

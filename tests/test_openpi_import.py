@@ -20,25 +20,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 from embodied_jax.models import convert
-from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.pi05 import Pi05Config
-from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.models.pi05.variants import variant
 from embodied_jax.models.weights import openpi_pi05
 from embodied_jax.models.weights.layout import WeightMismatchError, flatten_params
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 
 TSV = Path(__file__).resolve().parent / "data" / "openpi_pi05_params.tsv"
 
-# The sizes of experiments/pi05.py::tiny_model() (importing experiments costs seconds).
-TINY = Pi05Config(
-    vision=SiglipConfig(width=32, depth=2, num_heads=2, mlp_dim=64, patch_size=8, image_size=32),
-    vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
-    expert=GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16, use_adarms=True),
-    vocab_size=1024,
-    max_action_dim=8,
-    action_dim=8,
-    max_state_dim=8,
-)
+TINY = variant("tiny")
 
 
 def table() -> dict[str, tuple[tuple[int, ...], str]]:
