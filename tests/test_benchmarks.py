@@ -182,3 +182,17 @@ def test_a_recorded_row_names_its_commit_machine_and_command(tmp_path, monkeypat
     table = report.render(tmp_path)
     assert "| `python -m experiments.benchmarks.toy_bench --rounds 2` | speedup 1.7 |" in table
     assert "test cpu, 2 cores, cpu" in table
+
+
+def test_the_gpu_suite_rehearses_on_cpu():
+    """``gpu_suite --rehearse``: the GPU run's code paths on a CPU with tiny variants (here the sections
+    that compile little; ``train_steps`` and ``fp8`` reuse ``train_step`` and ``pi05_fp8`` as they are)."""
+    from experiments.benchmarks import gpu_suite
+
+    result = gpu_suite.main(["--rehearse", "--sections", "gpu_tests", "attention", "serving"])
+    assert result["failed"] == []
+    assert result["gpu_tests"]["files"] and result["gpu_tests"].get("failed", 0) == 0
+    attention = result["attention"]
+    assert attention["blocksparse"]["loss_vs_xla"] == pytest.approx(1.0, rel=1e-5)  # the same attention
+    assert "needs a GPU" in attention["pallas"]["unavailable"]  # reported with the dispatch's reason, not timed
+    assert {"pi05_tiny b1 c1", "gr00t_tiny b1 c1"} <= set(result["serving"])

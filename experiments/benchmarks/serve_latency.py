@@ -31,10 +31,13 @@ import tyro
 from embodied_jax.errors import InputError
 from experiments.benchmarks import harness
 
+STAND_INS = ("pi05_tiny", "pi05_bench", "pi05", "gr00t_tiny", "gr00t_bench", "gr00t_n15")
+
 
 def stand_in_bundle(name: str, workdir: pathlib.Path):
-    """A ``PolicyBundle`` of a benchmark model with random weights, 8 state dims, a tokenizer of
-    the demo's kind and statistics of N(0, 1) data."""
+    """A ``PolicyBundle`` of a named model size (``STAND_INS``: the families' variants; ``pi05`` and
+    ``gr00t_n15`` the published sizes at their published step counts) with random weights, 8 state
+    dims, a tokenizer of the demo's kind and statistics of N(0, 1) data."""
     from flax import nnx
 
     from embodied_jax.bundle import PolicyBundle
@@ -48,23 +51,32 @@ def stand_in_bundle(name: str, workdir: pathlib.Path):
     from embodied_jax.train.config import ExperimentConfig
     from experiments import demo
 
-    if name == "pi05_bench":
-        from experiments.pi05 import bench_model
+    family, _, size_name = name.partition("_")
+    size_name = {"": "full", "n15": "full"}.get(size_name, size_name)
+    if family == "pi05" and size_name in ("tiny", "bench", "full"):
+        from embodied_jax.models.pi05.variants import variant
 
+        # The demo's word-level tokenizer: ids stay below 1024 whatever the model's vocabulary.
         tokenizer = demo.build_tokenizer(workdir / "tokenizer.model", 1024)
-        model = dataclasses.replace(bench_model(), tokenizer_path=str(tokenizer))
+        model = dataclasses.replace(variant(size_name), tokenizer_path=str(tokenizer))
         norm = "quantile"
-    elif name == "gr00t_bench":
-        from experiments.gr00t import BENCH_MODEL
+    elif family == "gr00t" and size_name in ("tiny", "bench", "full"):
+        from embodied_jax.models.gr00t.variants import variant
 
         vocab = demo.gr00t_vocabulary()
         tokenizer = demo.build_gr00t_tokenizer(workdir / "tokenizer.json")
+        model = variant(size_name)
         model = dataclasses.replace(
-            BENCH_MODEL, tokenizer_path=str(tokenizer), image_token_id=vocab.index("<IMG_CONTEXT>")
+            model,
+            tokenizer_path=str(tokenizer),
+            image_token_id=vocab.index("<IMG_CONTEXT>"),
+            llm=dataclasses.replace(model.llm, vocab_size=max(model.llm.vocab_size, len(vocab))),
+            embodiment_id=min(model.embodiment_id, model.action_head.max_num_embodiments - 1),
+            max_token_len=max(model.max_token_len, 64),  # room for the prompt beside the image tokens
         )
         norm = "min_max"
     else:
-        raise ValueError(f"--models: {name!r} is not one of pi05_bench, gr00t_bench")
+        raise ValueError(f"--models: {name!r} is not one of {', '.join(STAND_INS)}")
     size = model.vision.image_size
     cameras = tuple((f"observation.images.{slot}", slot) for slot in model.camera_names)
     data = LeRobotData(
@@ -163,7 +175,7 @@ class Flags:
     policy: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """a trained run or exported policy"""
     models: tuple[str, ...] = ()
-    """stand-in sizes: pi05_bench, gr00t_bench"""
+    """stand-in sizes: pi05_tiny, pi05_bench, pi05, gr00t_tiny, gr00t_bench, gr00t_n15"""
     clients: tuple[int, ...] = (1, 4, 16)
     max_batch: tuple[int, ...] = (1, 4, 8)
     requests: int = 16
