@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import embodied_jax.bundle.sim_adapter as sim_adapter
 from embodied_jax.bundle.observation import (
     ObservationError,
     RtcPrefix,
@@ -20,7 +21,7 @@ from embodied_jax.bundle.observation import (
     check_raw_observation,
 )
 from embodied_jax.data.samples import to_absolute_actions
-from embodied_jax.data.stats import FeatureStats, Normalizer, normalize
+from embodied_jax.data.stats import FeatureStats, Normalizer
 from embodied_jax.nn import rtc
 from embodied_jax.nn.traced import merge_in_trace
 
@@ -287,83 +288,9 @@ class PolicyBundle:
         rtc: bool = False,
         max_guidance: float = 5.0,
     ) -> tuple[ActFn, Any]:
-        """``(act, params)`` for ``sim.Evaluator``: ``act(params, observation, rng)`` is jittable.
-
-        ``observation`` = {"state": [B, S], "images": {camera: uint8 [B, H, W, 3]}, ...};
-        camera ``c`` is the dataset key ``observation.images.c`` unless ``camera_keys`` says
-        otherwise. ``params`` are this bundle's weights; an evaluator compiled once can be called
-        again with other weights of the same model (in-training evaluation).
-
-        ``rtc``: ``act(params, observation, rng, prefix_actions, prefix_weights)`` samples with
-        real-time chunking (``nn/rtc.py``, maximum guidance weight ``max_guidance``): ``prefix_actions``
-        [B, H, A] are robot actions as ``act`` returns them (unnormalised, absolute), turned into the
-        model's space here (delta dims relative to the observation's state, normalised with the run's
-        action statistics); ``prefix_weights`` [H] or [B, H]. Both None: plain sampling.
-        """
-        camera_keys = dict(camera_keys or {})
-        to_model_actions = self._model_actions_fn() if rtc else None
-
-        def to_raw(state, images):
-            raw = {self.inputs.state_key: np.asarray(state), "task": instruction}
-            for cam, image in images.items():
-                raw[camera_keys.get(cam, f"observation.images.{cam}")] = np.asarray(image)
-            return raw
-
-        def host_pre(state, images):
-            # The simulator renders at the evaluation's image size: resized like the dataset it collects.
-            return self.preprocess(to_raw(state, images), resize=True)
-
-        def host_post(actions, state):
-            return self.postprocess(np.asarray(actions), np.asarray(state)).astype(np.float32)
-
-        def act(params, observation, rng):
-            state, images = observation["state"], observation["images"]
-            example = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), (state, images))
-            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_pre(*example))
-            obs = jax.pure_callback(host_pre, spec, state, images)
-            actions = self._merge(params).sample_actions(obs, rng)
-            out_dim = self.action_dim or actions.shape[-1]
-            out = jax.ShapeDtypeStruct((*actions.shape[:2], out_dim), jnp.float32)
-            return jax.pure_callback(host_post, out, actions, state)
-
-        def act_rtc(params, observation, rng, prefix_actions, prefix_weights):
-            state, images = observation["state"], observation["images"]
-            example = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), (state, images))
-            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_pre(*example))
-            obs = jax.pure_callback(host_pre, spec, state, images)
-            model = self._merge(params)
-            if prefix_actions is None:
-                actions = model.sample_actions(obs, rng, prefix_weights=prefix_weights)  # refuses weights alone
-            else:
-                prefix = to_model_actions(prefix_actions, state)
-                actions = model.sample_actions(
-                    obs, rng, prefix_actions=prefix, prefix_weights=prefix_weights, max_guidance=max_guidance
-                )
-            out_dim = self.action_dim or actions.shape[-1]
-            out = jax.ShapeDtypeStruct((*actions.shape[:2], out_dim), jnp.float32)
-            return jax.pure_callback(host_post, out, actions, state)
-
-        return (act_rtc if rtc else act), self.params
+        """``(act, params)`` for ``sim.Evaluator`` (``sim_adapter.act_fn``, which documents both forms)."""
+        return sim_adapter.act_fn(self, instruction, camera_keys, rtc=rtc, max_guidance=max_guidance)
 
     def _model_actions_fn(self) -> Callable[[jax.Array, jax.Array], jax.Array]:
-        """``f(actions [B, H, A], state [B, S])``: robot actions in the model's action space, the
-        jnp inverse of ``postprocess`` (delta dims made relative to the state, then normalised)."""
-        key = self.inputs.action_key
-        mode = None if self._unnormalizer is None else self._unnormalizer.modes.get(key)
-        stats = self.stats.get(key)
-        mask = None if self._delta_action_mask is None else np.asarray(self._delta_action_mask, bool)
-
-        def to_model(actions, state):
-            actions = jnp.asarray(actions, jnp.float32)
-            width = self.action_dim or actions.shape[-1]
-            if actions.ndim != 3 or actions.shape[-1] != width:
-                raise ValueError(f"prefix_actions {actions.shape}: expected robot actions [B, H, {width}]")
-            if mask is not None:
-                dims = len(mask)
-                offset = jnp.where(mask, jnp.asarray(state, jnp.float32)[:, :dims], 0.0)
-                actions = actions.at[..., :dims].add(-offset[:, None, :])
-            if mode is None:
-                return actions
-            return normalize(actions, stats, mode, key=key, xp=jnp)  # as the training pipeline did, in the program
-
-        return to_model
+        """Robot actions into the model's action space, in the program (``sim_adapter.model_actions_fn``)."""
+        return sim_adapter.model_actions_fn(self)
