@@ -1,5 +1,6 @@
 """Conventions shared by every command line: bad input is one ``error: ...`` line and exit
-status 2 (``--verbose`` adds the traceback); anything else is a bug and keeps its traceback."""
+status 2 (``--verbose`` adds the traceback); anything else is a bug and keeps its traceback.
+``parse_flags`` is ``tyro.cli`` for every tyro command line (the launcher, the benchmarks)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,22 @@ def fail(exc: BaseException, *, verbose: bool) -> int:
         traceback.print_exception(exc)
     print(f"error: {exc}", file=sys.stderr)
     return 2
+
+
+def parse_flags(*args, **kwargs):
+    """``tyro.cli(*args, **kwargs)``, parsed again (up to 3 tries) on CPython 3.11's spurious
+    ``SystemError: AST constructor recursion depth mismatch``: the AST constructor keeps its recursion
+    depth in state all threads share (gh-106905), and tyro reads field docstrings through
+    ``inspect.getsource`` -> ``ast`` while other threads may parse too. Parsing is side-effect free."""
+    import tyro
+
+    for attempt in range(3):
+        try:
+            return tyro.cli(*args, **kwargs)
+        except SystemError as e:
+            if "AST constructor recursion depth mismatch" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def run_main(

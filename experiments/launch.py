@@ -17,7 +17,7 @@ import sys
 
 import tyro
 
-from embodied_jax.cli import INPUT_ERRORS, fail
+from embodied_jax.cli import INPUT_ERRORS, fail, parse_flags
 
 
 def parse(argv: list[str]):
@@ -27,21 +27,13 @@ def parse(argv: list[str]):
     defaults = {name: factory() for name, (_, factory) in known.items()}
     descriptions = {name: desc for name, (desc, _) in known.items()}
     config_type = tyro.extras.subcommand_type_from_defaults(defaults, descriptions)
-    for attempt in range(3):
-        try:
-            return tyro.cli(
-                config_type,
-                default=defaults[DEFAULT],
-                args=argv,
-                prog="python -m experiments.launch",
-                description=__doc__.split("\n\n")[0],
-            )
-        except SystemError as e:
-            # CPython 3.11's AST constructor keeps its recursion depth in state shared by all threads
-            # (gh-106905): tyro reads field docstrings with ``inspect.getsource`` -> ``ast``, and another
-            # thread parsing at the same moment makes it raise this spuriously. Parsing again is safe.
-            if "AST constructor recursion depth mismatch" not in str(e) or attempt == 2:
-                raise
+    return parse_flags(
+        config_type,
+        default=defaults[DEFAULT],
+        args=argv,
+        prog="python -m experiments.launch",
+        description=__doc__.split("\n\n")[0],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

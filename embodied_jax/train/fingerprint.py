@@ -14,8 +14,6 @@ own shardings (each device sums its part, then one all-reduce) and never gathers
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +47,7 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
 
 
-@functools.partial(jax.jit)
+@jax.jit
 def _checksums(leaves: list[jax.Array]) -> list[jax.Array]:
     return [_leaf_checksum(x) for x in leaves]
 

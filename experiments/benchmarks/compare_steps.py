@@ -21,6 +21,7 @@ from typing import Annotated
 
 import tyro
 
+from embodied_jax.cli import parse_flags
 from embodied_jax.errors import InputError
 from experiments.benchmarks import harness
 
@@ -48,7 +49,7 @@ def _attach_variant_values(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = tyro.cli(
+    args = parse_flags(
         Flags,
         args=_attach_variant_values(argv),
         prog="python -m experiments.benchmarks.compare_steps",
@@ -57,7 +58,6 @@ def main(argv: list[str] | None = None) -> dict:
     if len(args.variant) < 2:
         raise InputError("compare_steps: give at least two --variant (use --variant '' for the experiment as is)")
 
-    from experiments.benchmarks.harness import alternate
     from experiments.benchmarks.train_step import compile_step
     from experiments.launch import parse
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     for variant in args.variant:
         built = compile_step(parse([args.experiment, *shlex.split(variant)]), num_batches=1)
         runs.append({"built": built, "state": built.state})
-    times = alternate({i: one_step(run) for i, run in enumerate(runs)}, rounds=args.rounds, warmup=1)
+    times = harness.alternate({i: one_step(run) for i, run in enumerate(runs)}, rounds=args.rounds, warmup=1)
     for i, run in enumerate(runs):
         run.update(times[i])
     base = statistics.median(runs[0]["wall"])

@@ -19,8 +19,8 @@ import tempfile
 import time
 
 import numpy as np
-import tyro
 
+from embodied_jax.cli import parse_flags
 from embodied_jax.data.convert import convert
 from embodied_jax.data.pipeline import DataConfig, SourceConfig, make_data_iterator
 from embodied_jax.data.samples import SampleSpec
@@ -96,7 +96,7 @@ class Flags:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.data_throughput", description=__doc__.splitlines()[0]
     )
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="data_throughput_"))

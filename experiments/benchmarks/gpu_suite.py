@@ -33,8 +33,8 @@ import traceback
 from typing import Literal
 
 import jax
-import tyro
 
+from embodied_jax.cli import parse_flags
 from experiments.benchmarks import harness
 
 SECTIONS = ("gpu_tests", "train_steps", "fp8", "attention", "serving")
@@ -169,7 +169,7 @@ RUNNERS = {
 
 
 def main(argv: list[str] | None = None) -> dict:
-    flags = tyro.cli(
+    flags = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.gpu_suite", description=__doc__.splitlines()[0]
     )
     devices = jax.devices()

@@ -38,9 +38,9 @@ import statistics
 import sys
 
 import numpy as np
-import tyro
 
 from embodied_jax import host_malloc
+from embodied_jax.cli import parse_flags
 from experiments.benchmarks import harness
 from experiments.benchmarks.harness import alternate, compile_train_step
 
@@ -212,7 +212,7 @@ class Flags:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     # --help is the launcher's (MODEL --help lists the experiment's overrides)
-    bench, rest = tyro.cli(Flags, args=argv, return_unknown_args=True, add_help=False)
+    bench, rest = parse_flags(Flags, args=argv, return_unknown_args=True, add_help=False)
 
     from embodied_jax.data.packing import PackingConfig, pack_samples
     from embodied_jax.models.gr00t import Gr00tConfig

@@ -19,9 +19,9 @@ from typing import Literal
 import jax
 import numpy as np
 import optax
-import tyro
 from flax import nnx
 
+from embodied_jax.cli import parse_flags
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
 from experiments.benchmarks import harness
@@ -74,7 +74,7 @@ class Flags:
 
 
 def main(argv=None) -> dict:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.pi05_flow_samples", description=__doc__.split("\n")[0]
     )
     base = bench_model() if args.model == "bench" else tiny_model()

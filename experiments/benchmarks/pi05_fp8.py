@@ -21,8 +21,8 @@ from typing import Literal
 
 import jax
 import numpy as np
-import tyro
 
+from embodied_jax.cli import parse_flags
 from experiments.benchmarks import harness
 
 VARIANTS = {
@@ -67,7 +67,7 @@ class Flags:
 
 
 def main(argv=None) -> dict:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.pi05_fp8", description=__doc__.split("\n")[0]
     )
 

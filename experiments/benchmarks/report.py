@@ -15,8 +15,7 @@ import pathlib
 import sys
 from typing import Any
 
-import tyro
-
+from embodied_jax.cli import parse_flags
 from experiments.benchmarks.harness import RESULTS
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "performance.md"
@@ -119,7 +118,7 @@ class Flags:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.report", description=__doc__.splitlines()[0]
     )
     text = DOC.read_text()

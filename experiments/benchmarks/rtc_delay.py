@@ -25,6 +25,7 @@ from typing import Annotated
 import jax
 import tyro
 
+from embodied_jax.cli import parse_flags
 from experiments.benchmarks import harness
 
 DELAYS = (0, 1, 2, 4)
@@ -96,7 +97,7 @@ class Flags:
 def main(argv=None) -> dict:
     from embodied_jax.evaluate import EvaluationError, check_task, defaults
 
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.rtc_delay", description=__doc__.splitlines()[0]
     )
     k = args.execute_steps

@@ -34,6 +34,7 @@ from typing import Annotated
 
 import tyro
 
+from embodied_jax.cli import parse_flags
 from experiments.benchmarks import harness
 
 H200 = {"peak_flops": 989e12, "memory_bytes": 141e9, "nvlink_bytes_per_s": 900e9, "node_rdma_bytes_per_s": 400e9}
@@ -86,7 +87,7 @@ class Flags:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.scale_report", description=__doc__.split("\n\n")[0]
     )
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
+from embodied_jax.cli import parse_flags
 from experiments.benchmarks import harness
 
 SEED_STRIDE = 100_003
@@ -73,7 +74,7 @@ class Flags:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.serve_closed_loop", description=__doc__.splitlines()[0]
     )
 

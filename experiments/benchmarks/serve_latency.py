@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import tyro
 
+from embodied_jax.cli import parse_flags
 from embodied_jax.errors import InputError
 from experiments.benchmarks import harness
 
@@ -183,7 +184,7 @@ class Flags:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.serve_latency", description=__doc__.splitlines()[0]
     )
     if not args.policy and not args.models:

@@ -38,6 +38,7 @@ from typing import Annotated, Literal, get_args
 import numpy as np
 import tyro
 
+from embodied_jax.cli import parse_flags
 from embodied_jax.errors import InputError
 from experiments.benchmarks import harness
 
@@ -295,7 +296,7 @@ class Flags:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.serve_load", description=__doc__.splitlines()[0]
     )
     if args.honest < 1 or args.hostile < 0 or args.seconds <= 0 or args.unloaded_seconds <= 0 or not args.kinds:

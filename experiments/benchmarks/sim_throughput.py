@@ -35,6 +35,7 @@ import numpy as np
 import tyro
 from mujoco import mjx
 
+from embodied_jax.cli import parse_flags
 from embodied_jax.sim import closed_loop as eval_lib
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import rollout as rollout_lib
@@ -189,7 +190,7 @@ class Flags:
 
 
 def main(argv=None) -> dict:
-    args = tyro.cli(
+    args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.sim_throughput", description=__doc__.splitlines()[0]
     )
     bundle = None

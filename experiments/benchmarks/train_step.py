@@ -34,9 +34,9 @@ from typing import Any
 
 import jax
 import numpy as np
-import tyro
 
 from embodied_jax import host_malloc
+from embodied_jax.cli import parse_flags
 from experiments.benchmarks import harness
 
 # Peak dense bf16 FLOP/s per device, for MFU.
@@ -46,14 +46,6 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 def peak_device_bytes() -> int | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
-
-
-def matmul_flops_per_s(repeats: int = 7) -> float:
-    """This machine's float32 matmul rate: median of ``repeats`` jitted 3464x512 @ 512x2048 matmuls."""
-    from experiments.benchmarks.matmul_floor import plain_matmul, time_dot
-
-    reference = plain_matmul(3464, 512, 2048)
-    return reference.flops / time_dot(reference, repeats)
 
 
 def step_arithmetic(model_config, batch, compiled, median_s: float, rate: float) -> dict:
@@ -95,13 +87,12 @@ def compile_step(config, num_batches: int = 2) -> CompiledStep:
     """Build the run of ``config`` (an ``ExperimentConfig``) as the launcher does and compile
     its train step for ``num_batches`` synthetic batches of the step's shapes."""
     from embodied_jax.train.runtime import build, initial_state
-    from experiments.benchmarks.harness import compile_train_step
 
     rt = build(config)
     host = [config.model.synthetic_batch(config.train.batch_size, seed=i) for i in range(num_batches)]
     with rt.context():
         state = initial_state(rt)
-        compiled, batches, compile_s = compile_train_step(rt, state, host)
+        compiled, batches, compile_s = harness.compile_train_step(rt, state, host)
     return CompiledStep(rt, compiled, state, host, batches, compile_s)
 
 
@@ -120,7 +111,7 @@ class Flags:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     # --help is the launcher's (NAME --help lists the experiment's overrides)
-    bench, rest = tyro.cli(Flags, args=argv, return_unknown_args=True, add_help=False)
+    bench, rest = parse_flags(Flags, args=argv, return_unknown_args=True, add_help=False)
 
     from embodied_jax.parallel import distributed
     from embodied_jax.train.dry_run import peak_host_bytes
@@ -129,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse(rest)
     distributed.initialize(config.distributed)
     built = compile_step(config)
-    rate_before = matmul_flops_per_s()
+    rate_before = harness.matmul_flops_per_s()
     rt, compiled, state = built.runtime, built.step, built.state
     batches, device_batches, compile_s = built.host_batches, built.batches, built.compile_s
     train = config.train
@@ -172,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.model.training_flops(batches[0]) is not None:
         # the rate is measured before and after the steps; the higher one (the machine's best
         # demonstrated rate) makes the limit, so a noisy measurement never inflates the fraction
-        rates = (rate_before, matmul_flops_per_s())
+        rates = (rate_before, harness.matmul_flops_per_s())
         result.update(step_arithmetic(config.model, batches[0], compiled, median, max(rates)))
         result["matmul_flops_per_s_before_after"] = list(rates)
     if bench.matmul_floor:
