@@ -55,7 +55,7 @@ class CheckpointRestoreError(RuntimeError):
 
 
 # TensorStore raises ``ValueError("<STATUS>: ...")``. These statuses are what it reports for a
-# step's own bytes, found by damaging a saved step (tests/test_faults.py): DATA_LOSS (a CRC-32C
+# step's own bytes, found by damaging a saved step (tests/test_checkpoint_faults.py): DATA_LOSS (a CRC-32C
 # mismatch in the manifest or a b-tree node), OUT_OF_RANGE (a byte range past the end of a
 # truncated file), NOT_FOUND (a missing file), FAILED_PRECONDITION (an array chunk that does not
 # decompress, or ``_sharding`` that is not JSON). An error the operating system returned (EIO,
