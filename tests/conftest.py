@@ -101,6 +101,7 @@ DEMO_RUN_MODULES = {
     "test_relocation.py",
     "test_serve.py",
     "test_hostile.py",
+    "test_serve_admission.py",
 }
 
 
