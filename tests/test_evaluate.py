@@ -21,19 +21,32 @@ import numpy as np
 import pytest
 
 from embodied_jax.bundle import ObservationError
+from embodied_jax.data.sample_transform import SampleTransform
 from embodied_jax.evaluate import main, summary_line
 
 STATE, SCENE, WRIST = "observation.state", "observation.images.scene", "observation.images.wrist"
 
 
+evaluated_frames: list = []  # filled by the evaluated fixture
+
+
 @pytest.fixture(scope="module")
 def evaluated(demo_run, tmp_path_factory):
     """One evaluation through the command line of a copy of the run (its report goes to the
-    default place inside the copy): the copy, the exit status and what it printed."""
+    default place inside the copy): the copy, the exit status and what it printed; the
+    ``frame_index`` of every sample the bundle's per-sample transform saw meanwhile is in
+    ``evaluated_frames``."""
     run = tmp_path_factory.mktemp("evaluated")
     shutil.copytree(demo_run / "checkpoints", run / "checkpoints")
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    transform = SampleTransform.__call__
+
+    def spy(self, sample, rng=None):
+        evaluated_frames.append(sample.get("frame_index"))
+        return transform(self, sample, rng)
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(SampleTransform, "__call__", spy)
         status = main([str(run / "checkpoints"), "--task", "reach", "--envs", "2", "--videos", "1"])
     return run, status, printed.getvalue()
 
@@ -55,6 +68,17 @@ def test_evaluate_writes_the_demos_report_next_to_the_checkpoints(evaluated, dem
     assert (out / "reach_frames.png").stat().st_size > 0
     assert summary_line(results) in printed.splitlines()
     assert f"results: {out / 'results.json'}" in printed and f"video: {video}" in printed
+
+
+def test_the_simulators_time_step_reaches_the_bundles_preprocessing(evaluated, bundle):
+    """Each query's control step arrives at the per-sample transform as ``frame_index``, as a served
+    observation's (and every training sample's) does: the evaluation's path is serving's."""
+    _, status, printed = evaluated
+    assert status == 0, printed
+    assert evaluated_frames and all(isinstance(f, np.int64) for f in evaluated_frames), evaluated_frames[:4]
+    k = bundle.config.evaluation.execute_steps
+    seen = sorted({int(f) for f in evaluated_frames})
+    assert len(seen) > 1 and seen == list(range(0, k * len(seen), k)), seen
 
 
 def test_settings_default_to_the_runs_own_evaluation_else_the_policys_input_size():
@@ -189,3 +213,42 @@ def test_predict_names_each_bad_input(bundle, one):
         bundle.config.model.action_horizon,
         bundle.action_dim,
     )
+
+
+def test_time_keys_reach_the_transform_as_in_training_and_are_checked(bundle, one, demo_run, monkeypatch):
+    """``frame_index`` and ``timestamp`` are optional: checked like every key, handed to the per-sample
+    transform with the types every training sample had them in, and accepted by the server's checks."""
+    from embodied_jax.data.lerobot import LeRobotDataset
+    from embodied_jax.data.samples import SampleLoader, SampleSpec
+
+    trained = SampleLoader(LeRobotDataset(demo_run / "dataset"), SampleSpec(action_horizon=2)).sample(0, 0)
+    seen = []
+    transform = SampleTransform.__call__
+
+    def spy(self, sample, rng=None):
+        seen.append({k: sample[k] for k in ("frame_index", "timestamp") if k in sample})
+        return transform(self, sample, rng)
+
+    monkeypatch.setattr(SampleTransform, "__call__", spy)
+    timed = {**one, "frame_index": 3, "timestamp": 0.3}
+    key = jax.random.key(1)
+    # The model ignores them: the same actions.
+    np.testing.assert_array_equal(bundle.predict(timed, rng=key), bundle.predict(one, rng=key))
+    assert seen[0] == {"frame_index": 3, "timestamp": np.float32(0.3)} and seen[1] == {}
+    for name in ("frame_index", "timestamp"):
+        assert type(seen[0][name]) is type(trained[name]), name
+    seen.clear()
+    bundle.predict({**_batch(one, 2), "frame_index": np.asarray([0, 5], np.int32)})
+    assert [s["frame_index"] for s in seen] == [0, 5]
+    bundle.check_observation(timed, batched=False)  # what the server checks: known keys
+    cases = [
+        ({**one, "frame_index": 1.5}, r"frame_index: expected integers"),
+        ({**one, "frame_index": -1}, r"frame_index: expected finite values >= 0"),
+        ({**one, "timestamp": np.nan}, r"timestamp: expected finite values >= 0"),
+        ({**one, "timestamp": "now"}, r"timestamp: expected real numbers"),
+        ({**one, "frame_index": [1, 2]}, r"mixes batched keys \['frame_index'\] with unbatched keys"),
+        ({**_batch(one, 2), "frame_index": [1, 2, 3]}, r"frame_index: the observation has 2 states but 3 values"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ObservationError, match=message):
+            bundle.predict(bad)

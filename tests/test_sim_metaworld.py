@@ -70,11 +70,12 @@ class RecordingPolicy:
     """A tiny policy: constant chunks; it records what it was given."""
 
     def __init__(self, horizon=8):
-        self.horizon, self.calls, self.images = horizon, [], []
+        self.horizon, self.calls, self.images, self.frames = horizon, [], [], []
 
     def __call__(self, batch, seed):
         self.calls.append((jsonable(batch), seed))
         self.images.append(batch["observation.image"])
+        self.frames.append(batch["frame_index"].tolist())
         return np.zeros((len(batch["task"]), self.horizon, 4), np.float32)
 
 
@@ -91,6 +92,7 @@ def test_evaluation_runs_in_metawords_environments_and_reports(tmp_path):
     assert shapes["observation.image"] == ((1, SIZE, SIZE, 3), "uint8")
     assert shapes["observation.state"] == ((1, 4), "float32")
     assert shapes["task"] == [metaworld.INSTRUCTIONS["pick-place"]]
+    assert policy.frames == [[0], [4], [8], [12], [16]]  # each decision's step since reset, as a robot sends it
     task = metrics["per_task"]["pick-place"]
     assert task["episodes"] == 1 and task["success_rate"] == 0.0 and task["mean_episode_length"] == 20
     assert metrics["per_difficulty"]["hard"]["episodes"] == 1 and metrics["success_ci95"][1] < 1.0

@@ -60,6 +60,27 @@ def check_finite_stats(stats: Mapping[str, FeatureStats], modes: Mapping[str, st
             raise NormStatsError(f"norm_stats[{key!r}]: {', '.join(bad)} hold non-finite values")
 
 
+# Where in its episode an observation is, under the dataset's keys (every training sample carries
+# both): optional in a robot's observation; the simulator gives its control step as ``frame_index``.
+TIME_KEYS = ("frame_index", "timestamp")
+
+
+def _check_time(key: str, value: Any) -> np.ndarray:
+    """``frame_index`` (an integer) or ``timestamp`` (seconds), ``[]`` or ``[B]``, finite and >= 0,
+    as the training samples held them (int64, float32)."""
+    array = np.asarray(value)
+    if array.ndim > 1:
+        raise ObservationError(f"{key}: expected one value or a batch of values [B], got shape {array.shape}")
+    integer = key == "frame_index"
+    kinds = "iu" if integer else "fiu"
+    if array.dtype.kind not in kinds:
+        want = "integers" if integer else "real numbers (seconds)"
+        raise ObservationError(f"{key}: expected {want}, got dtype {array.dtype}")
+    if not np.isfinite(array).all() or (array < 0).any():
+        raise ObservationError(f"{key}: expected finite values >= 0 (since the episode's start), got {array!r:.60}")
+    return array.astype(np.int64 if integer else np.float32)
+
+
 def check_raw_observation(
     raw: Mapping[str, Any],
     *,
@@ -71,9 +92,9 @@ def check_raw_observation(
     resize: bool,
     batched: bool | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str] | None]:
-    """The observation's state and images as validated arrays (images uint8) and its tasks
-    (None when unbatched), each problem named; ``batched``: require a batch (True) or one
-    observation (False), checked before any value is read."""
+    """The observation's state, images and time keys (``TIME_KEYS``, where given) as validated
+    arrays (images uint8) and its tasks (None when unbatched), each problem named; ``batched``:
+    require a batch (True) or one observation (False), checked before any value is read."""
     keys = (state_key, "task", *cameras)
     missing = [k for k in keys if k not in raw]
     if missing:
@@ -100,7 +121,12 @@ def check_raw_observation(
             raise ObservationError(
                 f"{key}: expected an image [H, W, 3] or a batch [B, H, W, 3], got shape {image.shape}"
             )
-    batched = {state_key: state.ndim == 2, **{key: image.ndim == 4 for key, image in images.items()}}
+    times = {key: _check_time(key, raw[key]) for key in TIME_KEYS if key in raw}
+    batched = {
+        state_key: state.ndim == 2,
+        **{key: image.ndim == 4 for key, image in images.items()},
+        **{key: value.ndim == 1 for key, value in times.items()},
+    }
     task = raw["task"]
     if isinstance(task, (list, tuple, np.ndarray)) and all(isinstance(t, str) for t in task):
         batched["task"] = True
@@ -141,6 +167,10 @@ def check_raw_observation(
             )
         else:
             raise ObservationError(f"{key}: images must be uint8 (or float with image_range), got {image.dtype}")
+    for key, value in times.items():
+        if batch is not None and value.shape[0] != batch:
+            raise ObservationError(f"{key}: the observation has {batch} states but {value.shape[0]} values of {key}")
+        out[key] = value if value.ndim else value[()]  # one observation's: a scalar, as in a training sample
     if batch is None:
         return out, None
     tasks = tasks if batched.get("task") else [task] * batch

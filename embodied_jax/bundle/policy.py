@@ -15,6 +15,7 @@ from flax import nnx
 
 import embodied_jax.bundle.sim_adapter as sim_adapter
 from embodied_jax.bundle.observation import (
+    TIME_KEYS,
     ObservationError,
     RtcPrefix,
     check_finite_stats,
@@ -130,14 +131,16 @@ class PolicyBundle:
     ) -> dict[str, np.ndarray]:
         """Raw observation (one or a batch) -> the model's observation batch (NumPy; B = 1 for one).
         ``image_range``: the value range of float images (uint8 images need none); ``resize``:
-        accept images of another size than ``image_size`` (resized with padding)."""
+        accept images of another size than ``image_size`` (resized with padding). The optional
+        time keys (``frame_index``, ``timestamp``) reach the per-sample transform as they did in
+        every training sample."""
         checked, tasks = self._check(raw, image_range, resize)
         single = tasks is None
         state = checked[self.inputs.state_key]
         samples = []
         for i, task in enumerate([raw["task"]] if single else tasks):
             sample = {self.inputs.state_key: state if single else state[i], "task": task}
-            for key in self.inputs.camera_keys:
+            for key in (*self.inputs.camera_keys, *(k for k in TIME_KEYS if k in checked)):
                 sample[key] = checked[key] if single else checked[key][i]
             samples.append(self._model_inputs(sample))
         return _stack(samples)
@@ -214,7 +217,7 @@ class PolicyBundle:
         self._check(raw, None, False, batched)
 
     def _check_keys(self, raw: Mapping[str, Any]) -> None:
-        expected = {self.inputs.state_key, "task", *self.inputs.camera_keys}
+        expected = {self.inputs.state_key, "task", *self.inputs.camera_keys, *TIME_KEYS}
         unknown = sorted(set(raw) - expected)
         if unknown:
             shown = ", ".join(repr(k[:40]) for k in unknown[:8]) + (", ..." if len(unknown) > 8 else "")

@@ -3,9 +3,11 @@
 ``act_fn`` gives ``sim.Evaluator`` (and the in-training evaluation) the bundle's policy as a
 function of its weights: the host pre- and post-processing a robot's request goes through
 (``PolicyBundle.preprocess`` / ``postprocess``) run inside the compiled program through
-``jax.pure_callback``, so evaluation exercises the same code as serving. With real-time chunking
-the previous chunk's robot actions enter the model's action space inside the program
-(``model_actions_fn``: the jnp inverse of ``postprocess``).
+``jax.pure_callback``, so evaluation exercises the same code as serving: the simulator's
+``time_step`` (control steps since reset) reaches it as the observation's ``frame_index``, the
+dataset's key for the same count (a collected episode's frame t is its control step t). With
+real-time chunking the previous chunk's robot actions enter the model's action space inside the
+program (``model_actions_fn``: the jnp inverse of ``postprocess``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ def act_fn(
 ) -> tuple[ActFn, Any]:
     """``(act, params)`` for ``sim.Evaluator``: ``act(params, observation, rng)`` is jittable.
 
-    ``observation`` = {"state": [B, S], "images": {camera: uint8 [B, H, W, 3]}, ...};
+    ``observation`` = {"state": [B, S], "images": {camera: uint8 [B, H, W, 3]}, "time_step": [B]};
     camera ``c`` is the dataset key ``observation.images.c`` unless ``camera_keys`` says
-    otherwise. ``params`` are the bundle's weights; an evaluator compiled once can be called
-    again with other weights of the same model (in-training evaluation).
+    otherwise, and ``time_step`` (optional) is passed on as ``frame_index``. ``params`` are the
+    bundle's weights; an evaluator compiled once can be called again with other weights of the
+    same model (in-training evaluation).
 
     ``rtc``: ``act(params, observation, rng, prefix_actions, prefix_weights)`` samples with
     real-time chunking (``nn/rtc.py``, maximum guidance weight ``max_guidance``): ``prefix_actions``
@@ -47,24 +50,27 @@ def act_fn(
     camera_keys = dict(camera_keys or {})
     to_model_actions = model_actions_fn(bundle) if rtc else None
 
-    def to_raw(state, images):
+    def to_raw(state, images, time_step=None):
         raw = {bundle.inputs.state_key: np.asarray(state), "task": instruction}
         for cam, image in images.items():
             raw[camera_keys.get(cam, f"observation.images.{cam}")] = np.asarray(image)
+        if time_step is not None:
+            raw["frame_index"] = np.asarray(time_step)
         return raw
 
-    def host_pre(state, images):
+    def host_pre(state, images, *time_step):
         # The simulator renders at the evaluation's image size: resized like the dataset it collects.
-        return bundle.preprocess(to_raw(state, images), resize=True)
+        return bundle.preprocess(to_raw(state, images, *time_step), resize=True)
 
     def host_post(actions, state):
         return bundle.postprocess(np.asarray(actions), np.asarray(state)).astype(np.float32)
 
     def act_rtc(params, observation, rng, prefix_actions=None, prefix_weights=None):
         state, images = observation["state"], observation["images"]
-        example = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), (state, images))
+        inputs = (state, images) + ((observation["time_step"],) if "time_step" in observation else ())
+        example = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), inputs)
         spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_pre(*example))
-        obs = jax.pure_callback(host_pre, spec, state, images)
+        obs = jax.pure_callback(host_pre, spec, *inputs)
         model = bundle._merge(params)
         if prefix_actions is None:
             actions = model.sample_actions(obs, rng, prefix_weights=prefix_weights)  # refuses weights alone

@@ -26,7 +26,8 @@ from embodied_jax.sim.metaworld.suite import (
 )
 
 # A policy: a raw observation batch in dataset keys ({"observation.state": [B, 4], "observation.image":
-# [B, H, W, 3], "task": [B] str}) and a seed -> actions [B, horizon, 4] (what PolicyBundle.predict takes).
+# [B, H, W, 3], "task": [B] str, "frame_index": int64 [B], steps since reset}) and a seed -> actions
+# [B, horizon, 4] (what PolicyBundle.predict takes).
 BatchPolicy = Callable[[Mapping[str, Any], int], np.ndarray]
 
 
@@ -141,10 +142,12 @@ def _evaluate_task(policy: BatchPolicy, task: str, settings: EvalSettings, image
                             frames[b].append(last[b][1])
                 # Always a batch of `envs` rows (finished or missing rows repeat one), so the policy compiles once.
                 rows = [last[b] for b in range(len(group))] + [last[0]] * (len(envs) - len(group))
+                steps = [length[b] for b in range(len(group))] + [length[0]] * (len(envs) - len(group))
                 batch = {
                     STATE_KEY: np.stack([r[0] for r in rows]),
                     IMAGE_KEY: np.stack([r[1] for r in rows]),
                     "task": [INSTRUCTIONS[task]] * len(rows),
+                    "frame_index": np.asarray(steps, np.int64),
                 }
                 chunk = np.asarray(policy(batch, call_seed * 100_003 + start * 1009 + decision))
                 decision += 1
