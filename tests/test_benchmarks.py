@@ -184,6 +184,39 @@ def test_a_recorded_row_names_its_commit_machine_and_command(tmp_path, monkeypat
     assert "test cpu, 2 cores, cpu" in table
 
 
+def test_anchors_stand_beside_the_runs_of_their_configuration(tmp_path, monkeypatch):
+    """results/anchors.jsonl's figures go next to the latest run they match (ours / theirs where both
+    have a figure); an anchored configuration without a run of ours still gets its row."""
+    import json
+
+    from experiments.benchmarks import harness, report
+
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
+    harness.record("train_step", {"experiment": "a_bench", "median_step_s": 0.25}, ["a_bench"], tmp_path)
+
+    def anchor(name, experiment, date, step_s):
+        return {
+            "anchor": name,
+            "benchmark": "train_step",
+            "configuration": {"experiment": experiment},
+            "date": date,
+            "machine": {"cpu": "their cpu"},
+            "command": None,
+            "source": "a test",
+            "result": {"median_step_s": step_s},
+        }
+
+    rows = [anchor("Them", "a_bench", "2026-01-01", 0.4), anchor("Them", "a_bench", "2026-01-02", 0.5)]
+    rows.append(anchor("Them", "b_bench", "2026-01-01", 1.0))
+    (tmp_path / "anchors.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert set(report.latest_runs(tmp_path)) == {"train_step"}  # anchors are not a benchmark
+    table = report.render(tmp_path)
+    assert "| `python -m experiments.benchmarks.train_step a_bench` | median_step_s 0.25 | " in table
+    assert "Them, 2026-01-02: median_step_s 0.5 (ours 0.50x) |" in table  # the latest of the anchor
+    assert "| experiment b_bench: no recorded run | - | Them, 2026-01-01: median_step_s 1 |" in table
+    assert "| Them | experiment b_bench | 2026-01-01 | their cpu, ? | not recorded | a test |" in table
+
+
 def test_the_gpu_suite_rehearses_on_cpu():
     """``gpu_suite --rehearse``: the GPU run's code paths on a CPU with tiny variants (here the sections
     that compile little; ``train_steps`` and ``fp8`` reuse ``train_step`` and ``pi05_fp8`` as they are)."""

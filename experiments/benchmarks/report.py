@@ -3,8 +3,14 @@
 Every benchmark run with ``--record`` appends one JSON line to ``results/<benchmark>.jsonl``
 (``harness.record``: commit, date, machine, command, result). This writes, between the markers
 of ``docs/performance.md``, one table per benchmark holding the latest run of each configuration
-(its command on one kind of machine), its headline figures first. ``--check``: exit 1 when the
-committed section differs from what the results give (a test runs it).
+(its command on one kind of machine), its headline figures first, and the anchors' figures
+beside them: the reference a run measures itself against in the same process (``IN_ROW``: the
+server alone, the ideal speedup, the first variant) and the reference systems' figures recorded
+in ``results/anchors.jsonl`` (LeRobot, openpi: one JSON line per measurement with its
+``benchmark``, the ``configuration`` it matches in a run's result, date, machine, command and
+source), the latest of each anchor per configuration, with ours / theirs for the figures both
+have. An anchored configuration without a run of ours still gets its row. ``--check``: exit 1
+when the committed section differs from what the results give (a test runs it).
 """
 
 from __future__ import annotations
@@ -29,13 +35,19 @@ HEADLINES = {
         "rss_mb/growth",
         "loaded/answered",
         "loaded/p99_ms",
-        "unloaded/p99_ms",
     ),
-    "train_step": ("median_step_s", "examples_per_s", "mfu_of_matmul_limit"),
-    "packing": ("speedup", "ideal_speedup", "fraction_of_ideal"),
+    "train_step": ("median_step_s", "examples_per_s", "limit_fraction", "mfu"),
+    "packing": ("speedup", "fraction_of_ideal"),
     "compare_steps": (),
 }
 MAX_FIGURES = 8
+# The reference a benchmark measures in its own run: (what it is, its figures' keys).
+IN_ROW = {
+    "serve_load": ("alone", ("unloaded/p99_ms", "unloaded/p50_ms")),
+    "packing": ("ideal", ("ideal_speedup",)),
+    "compare_steps": ("the first variant", ("variants/0/median_step_s",)),
+}
+ANCHORS = "anchors"  # results/anchors.jsonl: the reference systems' figures, not a benchmark
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -58,47 +70,121 @@ def _number(v: float) -> str:
 
 def _figures(benchmark: str, result: Any) -> str:
     flat = _flat(result)
+    shown = set(IN_ROW.get(benchmark, ("", ()))[1])
     keys = [k for k in HEADLINES.get(benchmark, ()) if k in flat]
-    keys += [k for k in flat if k not in keys][: max(0, MAX_FIGURES - len(keys))]
+    keys += [k for k in flat if k not in keys and k not in shown][: max(0, MAX_FIGURES - len(keys))]
     return "; ".join(f"{k} {_number(flat[k])}" for k in keys)
 
 
 def _machine(m: dict) -> str:
     rate = f", {m['matmul_gflops']} GFLOP/s f32 matmul" if "matmul_gflops" in m else ""
-    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('backend', '?')}{rate}"
+    cores = f", {m['cores']} cores" if "cores" in m else ""
+    return f"{m.get('cpu', '?')}{cores}, {m.get('backend', '?')}{rate}"
+
+
+def _rows(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def latest_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
     """Per benchmark, the latest row of each (command, CPU, backend), in the order first seen."""
     out = {}
     for path in sorted(results.glob("*.jsonl")):
+        if path.stem == ANCHORS:
+            continue
         latest: dict[tuple, dict] = {}
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                machine = row.get("machine", {})
-                latest[(row["command"], machine.get("cpu"), machine.get("backend"))] = row
+        for row in _rows(path):
+            machine = row.get("machine", {})
+            latest[(row["command"], machine.get("cpu"), machine.get("backend"))] = row
         out[path.stem] = list(latest.values())
     return out
 
 
+def _key(configuration: dict) -> str:
+    return json.dumps(configuration, sort_keys=True)
+
+
+def latest_anchors(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
+    """Per benchmark, the latest anchor row of each (anchor, configuration, CPU), in the order first seen."""
+    path = results / f"{ANCHORS}.jsonl"
+    latest: dict[tuple, dict] = {}
+    for row in _rows(path) if path.exists() else []:
+        latest[(row["benchmark"], row["anchor"], _key(row["configuration"]), row["machine"].get("cpu"))] = row
+    out: dict[str, list[dict]] = {}
+    for row in latest.values():
+        out.setdefault(row["benchmark"], []).append(row)
+    return out
+
+
+def _matches(run: dict, anchor: dict) -> bool:
+    result = run["result"] if isinstance(run["result"], dict) else {}
+    return all(result.get(k) == v for k, v in anchor["configuration"].items())
+
+
+def _anchor_cell(benchmark: str, run: dict | None, anchors: list[dict]) -> str:
+    """The anchors' figures for one row: the in-run reference, then each matching anchor's figures
+    (ours / theirs where the run has the same figure)."""
+    ours = _flat(run["result"]) if run is not None else {}
+    parts = []
+    if run is not None and benchmark in IN_ROW:
+        label, keys = IN_ROW[benchmark]
+        figures = [f"{k} {_number(ours[k])}" for k in keys if k in ours]
+        if figures:
+            parts.append(f"{label}: " + "; ".join(figures))
+    for anchor in anchors:
+        figures = []
+        for k, v in _flat(anchor["result"]).items():
+            ratio = f" (ours {ours[k] / v:.2f}x)" if isinstance(ours.get(k), (int, float)) and v else ""
+            figures.append(f"{k} {_number(v)}{ratio}")
+        parts.append(f"{anchor['anchor']}, {anchor['date'][:10]}: " + "; ".join(figures))
+    return "<br>".join(parts) or "-"
+
+
+def _anchor_table(anchors: list[dict]) -> list[str]:
+    lines = ["| anchor | configuration | date | machine | command | source |", "|---|---|---|---|---|---|"]
+    for a in anchors:
+        configuration = ", ".join(f"{k} {v}" for k, v in a["configuration"].items())
+        command = f"`{a['command']}`" if a.get("command") else "not recorded"
+        cells = (a["anchor"], configuration, a["date"][:10], _machine(a["machine"]), command, a["source"])
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return lines
+
+
 def render(results: pathlib.Path = RESULTS) -> str:
     lines = [BEGIN, ""]
-    runs = latest_runs(results)
+    runs, anchors = latest_runs(results), latest_anchors(results)
     if not runs:
         lines += ["No recorded runs yet: run a benchmark with `--record`.", ""]
-    for benchmark, rows in runs.items():
-        lines += [f"### {benchmark}", "", "| date | commit | machine | command | figures |", "|---|---|---|---|---|"]
-        for row in rows:
-            cells = (
-                row["date"][:10],
-                f"`{row.get('commit') or '?'}`",
-                _machine(row.get("machine", {})),
-                f"`{row['command']}`",
-                _figures(benchmark, row["result"]),
-            )
+    for benchmark in [*runs, *(b for b in anchors if b not in runs)]:
+        rows, anchored = runs.get(benchmark, []), anchors.get(benchmark, [])
+        lines += [
+            f"### {benchmark}",
+            "",
+            "| date | commit | machine | command | figures | anchors |",
+            "|---|---|---|---|---|---|",
+        ]
+        table = [(row, [a for a in anchored if _matches(row, a)]) for row in rows]
+        # An anchored configuration no run of ours matches: its row says so.
+        for key in dict.fromkeys(_key(a["configuration"]) for a in anchored):
+            if not any(_key(a["configuration"]) == key for _, matched in table for a in matched):
+                table.append((None, [a for a in anchored if _key(a["configuration"]) == key]))
+        for row, matched in table:
+            if row is None:
+                configuration = ", ".join(f"{k} {v}" for k, v in matched[0]["configuration"].items())
+                cells = ("-", "-", "-", f"{configuration}: no recorded run", "-")
+            else:
+                cells = (
+                    row["date"][:10],
+                    f"`{row.get('commit') or '?'}`",
+                    _machine(row.get("machine", {})),
+                    f"`{row['command']}`",
+                    _figures(benchmark, row["result"]),
+                )
+            cells += (_anchor_cell(benchmark, row, matched),)
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
         lines.append("")
+        if anchored:
+            lines += [f"Anchors of {benchmark} (`results/{ANCHORS}.jsonl`):", "", *_anchor_table(anchored), ""]
     lines.append(END)
     return "\n".join(lines)
 
