@@ -18,11 +18,24 @@ range, and each ``ObservationError``, is described in ``docs/observations.md``.
 ``act_fn(instruction)`` gives the simulator's evaluator a jittable ``act(params,
 observation, rng) -> [B, H, A]`` and the parameters to call it with; the host
 preprocessing runs inside the compiled program through ``jax.pure_callback``, so
-evaluation exercises the same code as serving. ``embodied_jax.load_policy`` makes a
-bundle from a checkpoint.
+evaluation exercises the same code as serving. ``device_io.device_io(bundle, instruction)``
+gives the same pre- and post-processing as jnp functions instead (``DeviceIO``: ``observe``,
+``act``, ``to_model``), for rollouts with no host round trip per step. ``embodied_jax.load_policy``
+makes a bundle from a checkpoint.
 """
 
+from embodied_jax.bundle.device_io import DeviceIO, DeviceIOError
 from embodied_jax.bundle.observation import NormStatsError, ObservationError, RtcPrefix
 from embodied_jax.bundle.policy import ActFn, PolicyBundle, PreparedRow, row_keys
 
-__all__ = ["ActFn", "NormStatsError", "ObservationError", "PolicyBundle", "PreparedRow", "RtcPrefix", "row_keys"]
+__all__ = [
+    "ActFn",
+    "DeviceIO",
+    "DeviceIOError",
+    "NormStatsError",
+    "ObservationError",
+    "PolicyBundle",
+    "PreparedRow",
+    "RtcPrefix",
+    "row_keys",
+]

@@ -75,13 +75,14 @@ def to_delta_actions(actions: np.ndarray, state: np.ndarray, mask: Sequence[bool
     return out
 
 
-def to_absolute_actions(actions: np.ndarray, state: np.ndarray, mask: Sequence[bool]) -> np.ndarray:
-    """Inverse of `to_delta_actions`."""
+def to_absolute_actions(actions: Any, state: Any, mask: Sequence[bool], *, xp: Any = np) -> Any:
+    """Inverse of `to_delta_actions` (one sample: actions [..., A], state [S]); ``xp``: ``numpy``,
+    or ``jax.numpy`` inside a jitted program."""
     mask = np.asarray(mask, bool)
     dims = len(mask)
-    out = np.array(actions, dtype=np.float32, copy=True)
-    out[..., :dims] += np.where(mask, np.asarray(state, np.float32)[:dims], np.float32(0))
-    return out
+    actions = xp.asarray(actions, xp.float32)
+    offset = xp.where(xp.asarray(mask), xp.asarray(state, xp.float32)[:dims], np.float32(0))
+    return xp.concatenate([actions[..., :dims] + offset, actions[..., dims:]], axis=-1)
 
 
 def gather_window(

@@ -244,13 +244,20 @@ def normalize(x: Any, stats: FeatureStats, mode: str, *, eps: float = 1e-8, key:
     return xp.clip(2.0 * (x - const(low)) / (const(high) - const(low) + eps) - 1.0, -1.0, 1.0).astype(xp.float32)
 
 
-def unnormalize(x: np.ndarray, stats: FeatureStats, mode: str, *, eps: float = 1e-8, key: str = "?") -> np.ndarray:
-    x = np.asarray(x, np.float32)
+def unnormalize(x: Any, stats: FeatureStats, mode: str, *, eps: float = 1e-8, key: str = "?", xp: Any = np) -> Any:
+    """The inverse of ``normalize`` (float32; ``xp`` as there). On the host the statistics stay
+    float64 until the cast; in a jitted program they enter as float32 constants (the scale
+    ``std + eps``, ``high - low + eps`` summed in float64 first)."""
+    x = xp.asarray(x, xp.float32)
     _check(x, stats, key)
+
+    def const(v):
+        return v if xp is np else xp.asarray(np.asarray(v, np.float32))
+
     if mode == "mean_std":
-        return (x * (stats.std + eps) + stats.mean).astype(np.float32)
+        return (x * const(stats.std + eps) + const(stats.mean)).astype(xp.float32)
     low, high = _range(stats, mode, key)
-    return ((np.clip(x, -1.0, 1.0) + 1.0) / 2.0 * (high - low + eps) + low).astype(np.float32)
+    return ((xp.clip(x, -1.0, 1.0) + 1.0) / 2.0 * const(high - low + eps) + const(low)).astype(xp.float32)
 
 
 def _range(stats: FeatureStats, mode: str, key: str) -> tuple[np.ndarray, np.ndarray]:

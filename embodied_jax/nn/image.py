@@ -1,4 +1,5 @@
-"""Host-side image preprocessing shared by the data layer and the models' input builders (NumPy).
+"""Image preprocessing shared by the data layer and the models' input builders (NumPy; ``to_unit_range``
+also in jnp, for preprocessing inside a jitted program: ``bundle/device_io.py``).
 
 It lives in ``nn`` because ``data`` and ``models`` may both import ``nn`` but not each
 other (docs/DESIGN.md, "Import direction").
@@ -14,29 +15,40 @@ other (docs/DESIGN.md, "Import direction").
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 FLOAT_RANGES = ("signed", "auto")
+UNIT_RANGE = np.arange(256, dtype=np.float32) / 127.5 - 1.0  # uint8 pixel -> float32 [-1, 1]
 ROUNDINGS = ("round", "floor")
 
 
-def to_unit_range(image: np.ndarray, *, floats: str = "signed") -> np.ndarray:
+def to_unit_range(image: Any, *, floats: str = "signed", xp: Any = np) -> Any:
     """uint8 [0, 255] -> float32 [-1, 1] (the Observation contract); float input per ``floats``:
 
     - ``"signed"``: already in [-1, 1], returned as float32 (data layer, GR00T's builder: Eagle's
       processor normalises uint8 images only);
     - ``"auto"``: an image wholly inside [0, 1] is read as [0, 1] and mapped with ``x * 2 - 1``,
       any other as already in [-1, 1] (π0.5's builder: LeRobot hands π0.5 float images in [0, 1]).
+
+    ``xp``: ``numpy`` on the host, or ``jax.numpy`` inside a jitted program (one image per call:
+    "auto" reads the whole array, so map it over a batch with ``jax.vmap``). uint8 pixels are
+    looked up in one 256-entry table (``UNIT_RANGE``) either way: XLA turns a division by a
+    constant into a multiplication by its reciprocal, which rounds 255 to 1.0000001.
     """
     if floats not in FLOAT_RANGES:
         raise ValueError(f"to_unit_range: floats must be one of {FLOAT_RANGES}, got {floats!r}")
-    image = np.asarray(image)
+    image = xp.asarray(image)
     if image.dtype == np.uint8:
-        return image.astype(np.float32) / 127.5 - 1.0
-    image = image.astype(np.float32)
-    if floats == "auto" and image.min(initial=0.0) >= 0.0 and image.max(initial=0.0) <= 1.0:
-        return image * 2.0 - 1.0
-    return image
+        return xp.asarray(UNIT_RANGE)[image]
+    image = image.astype(xp.float32)
+    if floats != "auto":
+        return image
+    inside = (image.min(initial=0.0) >= 0.0) & (image.max(initial=0.0) <= 1.0)
+    if xp is np:
+        return image * 2.0 - 1.0 if inside else image
+    return xp.where(inside, image * 2.0 - 1.0, image)
 
 
 def resize(image: np.ndarray, height: int, width: int) -> np.ndarray:

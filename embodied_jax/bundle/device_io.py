@@ -1,0 +1,500 @@
+"""A bundle's pre- and post-processing as jnp functions: observations in and actions out of a
+jitted program (reinforcement-learning rollouts) with no host round trip per step.
+
+``device_io(bundle, instruction, camera_keys)`` owns the in-program form of what a robot's
+request goes through on the host (``PolicyBundle.preprocess(raw, resize=True)`` and
+``postprocess``): the run's per-sample transform (``data/sample_transform.py``: the state
+normalised with ``data.stats.normalize(..., xp=jnp)``, images to [-1, 1] with
+``nn.image.to_unit_range(..., xp=jnp)``, renamed) and the model's input builder, for one
+instruction; actions back through ``data.stats.unnormalize`` and ``data.samples.to_absolute_actions``
+(``xp=jnp``). Everything constant for the instruction is made once on the host here: GR00T's
+Eagle prompt tokens; π0.5's prompt around its discretised state (``_Pi05Prompt``): its fixed
+head and, for every state bin, that bin's tokens (between bins, and as the last one with the
+prompt's tail), assembled per row in the program (a fixed-size gather compacted with a
+cumulative sum, truncated and padded to ``max_token_len`` as the host does), the bins counted
+against per-dimension thresholds on the raw state that reproduce the host's float64
+normalisation exactly. That assembly is checked here against the builder's own tokens for probe
+states (normalised to every bin 0, every bin 255, every bin -1, a random mix; values on and just
+below bin edges); a tokenizer that merges text across those pieces (SentencePiece joins
+consecutive unknown words into one ``<unk>``) fails the check, and then the tokens alone come
+from the host through ``jax.pure_callback`` (a logged warning; ``DeviceIO.host_tokens``).
+
+``bundle`` may not import ``models``: the builders are reached through the bundle's transform,
+each family's form below follows its builder (``models/pi05/inputs.py``,
+``models/gr00t/inputs.py``), and the probe check guards π0.5's copy of the prompt's layout.
+
+Not expressible, a ``DeviceIOError`` (an ``InputError``) naming what is missing, when
+``device_io`` is built or its functions traced: another input builder, statistics missing for a
+normalised key, images of another size than the run's (the host resizes through swscale, which
+no jnp resize reproduces: render at the run's image size), float images (``ObservationError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from embodied_jax.bundle.observation import ObservationError
+from embodied_jax.bundle.sim_adapter import model_actions_fn
+from embodied_jax.data.samples import to_absolute_actions
+from embodied_jax.data.stats import normalize, unnormalize
+from embodied_jax.errors import InputError
+from embodied_jax.nn.image import to_unit_range
+
+if TYPE_CHECKING:
+    from embodied_jax.bundle.policy import PolicyBundle
+
+log = logging.getLogger(__name__)
+
+Observe = Callable[..., dict[str, Any]]
+ActionsFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+class DeviceIOError(InputError, ValueError):
+    """A bundle (or an observation's layout) that the in-program processing cannot express."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceIO:
+    """A bundle's processing for one instruction, as pure jnp functions (jittable, vmappable):
+
+    - ``observe(state [B, S], images {camera: uint8 [B, H, W, 3]})``: the model's observation
+      batch, the dict ``bundle.preprocess(raw, resize=True)`` returns for the raw observation
+      ``{state_key: state, "task": instruction, camera key: image, ...}`` (its keys, shapes,
+      dtypes; values equal up to float32 rounding; tokens exactly); ``observe(observation)``
+      takes the simulator's observation dict ``{"state", "images", ...}`` alike (other keys,
+      such as ``time_step``, are not read: the transform reads no time keys);
+    - ``act(model_actions [B, H, A_pad], state [B, S])``: robot actions [B, H, A] float32, as
+      ``bundle.postprocess``;
+    - ``to_model(robot_actions [B, H, A], state [B, S])``: robot actions in the model's action
+      space (``sim_adapter.model_actions_fn``: what real-time chunking guides with).
+
+    ``host_tokens``: π0.5's prompt tokens come from the host (``jax.pure_callback``) because the
+    tokenizer merges across the prompt's pieces (the module docstring)."""
+
+    observe: Observe
+    act: ActionsFn
+    to_model: ActionsFn
+    host_tokens: bool = False
+
+
+def device_io(bundle: PolicyBundle, instruction: str, camera_keys: Mapping[str, str] | None = None) -> DeviceIO:
+    """The bundle's pre- and post-processing for ``instruction`` as jnp functions (``DeviceIO``).
+
+    Camera ``c`` of ``observe``'s images is the dataset key ``observation.images.c`` unless
+    ``camera_keys`` maps it to another (as ``sim_adapter.act_fn``); cameras the run does not read
+    are ignored, a missing one is an ``ObservationError`` when ``observe`` is traced."""
+    if not isinstance(instruction, str):
+        raise DeviceIOError(f"instruction: expected a str, got {type(instruction).__name__}")
+    transform = bundle.transform
+    inputs = transform.inputs
+    if inputs is None:
+        raise DeviceIOError("the run's transform renames no keys (no ModelInputs): its model inputs are not fixed")
+    if transform.images.augment is not None:
+        raise DeviceIOError("the bundle's transform augments images (a training transform): nothing to serve")
+    builder = transform.builder
+    form = _FORMS.get(type(builder).__name__)
+    if form is None:
+        raise DeviceIOError(
+            f"no in-program form of the input builder {type(builder).__name__}: device_io knows "
+            f"{sorted(_FORMS)} (the π0.5 and GR00T builders)"
+        )
+    if getattr(builder, "packed", False):
+        raise DeviceIOError(f"{type(builder).__name__} builds packed samples: the bundle's builder must be unpacked")
+    front = _Front.of(bundle)
+    row, host_tokens = form(builder, instruction, front)
+    observe = _observe(front, row, host_tokens, dict(camera_keys or {}))
+    return DeviceIO(observe, _act_fn(bundle), model_actions_fn(bundle), host_tokens is not None)
+
+
+# ----------------------------------------------------------------------------- the per-sample transform
+
+
+@dataclasses.dataclass(frozen=True)
+class _Front:
+    """The per-sample transform before the builder (``SampleTransform``: normalise, images, rename)
+    on one row: state [S] -> normalised float32 [S]; images {dataset key: uint8 [H, W, 3]} ->
+    {model slot: float32 [H, W, 3]}."""
+
+    state_key: str
+    state_dim: int | None
+    state_norm: tuple[Any, str] | None  # (FeatureStats, mode)
+    cameras: tuple[tuple[str, str], ...]  # (dataset key, model slot)
+    image_size: tuple[int, int] | None
+    as_float: bool
+
+    @classmethod
+    def of(cls, bundle: PolicyBundle) -> _Front:
+        transform, inputs = bundle.transform, bundle.inputs
+        norm = None
+        if transform.normalizer is not None and inputs.state_key in transform.normalizer.modes:
+            mode = transform.normalizer.modes[inputs.state_key]
+            stats = transform.normalizer.stats.get(inputs.state_key)
+            if stats is None:
+                raise DeviceIOError(f"norm_stats has no statistics for {inputs.state_key!r} ({mode} normalisation)")
+            norm = (stats, mode)
+        size = transform.images.size
+        return cls(
+            state_key=inputs.state_key,
+            state_dim=bundle.state_dim,
+            state_norm=norm,
+            cameras=tuple(inputs.cameras),
+            image_size=None if size is None else (int(size[0]), int(size[1])),
+            as_float=transform.images.as_float,
+        )
+
+    def state(self, state: jax.Array) -> jax.Array:
+        state = jnp.asarray(state, jnp.float32)
+        if self.state_norm is None:
+            return state
+        stats, mode = self.state_norm
+        return normalize(state, stats, mode, key=self.state_key, xp=jnp)
+
+    def host_state(self, state: np.ndarray) -> np.ndarray:
+        """One raw state normalised on the host, as the bundle's transform does (NumPy)."""
+        state = np.asarray(state, np.float32)
+        if self.state_norm is None:
+            return state
+        stats, mode = self.state_norm
+        return normalize(state, stats, mode, key=self.state_key)
+
+    def host_raw_state(self, normalised: np.ndarray) -> np.ndarray:
+        """A raw state whose normalisation is about ``normalised`` (probe states)."""
+        if self.state_norm is None:
+            return np.asarray(normalised, np.float32)
+        stats, mode = self.state_norm
+        return unnormalize(normalised, stats, mode, key=self.state_key)
+
+    def thresholds(self, edges: np.ndarray) -> np.ndarray:
+        """[S, K] float32: per state dimension, the smallest raw float32 value whose host
+        normalisation is >= ``edges[k]`` (NaN: none); [1, K] (the edges) without normalisation.
+        A binary search over the ordered float32 values: normalising (float64, one rounding to
+        float32) and clipping are monotone."""
+        edges = np.asarray(edges, np.float32)
+        if self.state_norm is None:
+            return edges[None]
+        width = len(np.asarray(self.state_norm[0].mean))
+        shape = (len(edges), width)
+        low, high = np.full(shape, _order(-np.inf)), np.full(shape, _order(np.inf))
+
+        def reaches(order):  # [K, S] bool: the normalisation of those values reaches each edge
+            with np.errstate(over="ignore", invalid="ignore"):  # the search starts at +-inf
+                return self.host_state(_from_order(order)) >= edges[:, None]
+
+        while (low < high).any():
+            middle = (low + high) // 2
+            above = reaches(middle)
+            high, low = np.where(above, middle, high), np.where(above, low, middle + 1)
+        return np.where(reaches(low), _from_order(low), np.float32(np.nan)).T.copy()
+
+    def images(self, images: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        out = {}
+        for key, slot in self.cameras:
+            image = images[key]
+            if self.image_size is not None and tuple(image.shape[:2]) != self.image_size:
+                raise DeviceIOError(
+                    f"{key}: images of {image.shape[0]}x{image.shape[1]}, the run's image size is "
+                    f"{self.image_size[0]}x{self.image_size[1]}: device_io does not resize (the host "
+                    "resizes through swscale); render at the run's image size"
+                )
+            out[slot] = to_unit_range(image, xp=jnp) if self.as_float else image
+        return out
+
+
+def _order(value: Any) -> np.ndarray:
+    """float32 -> int64 keys in the floats' order (-0.0 and 0.0 alike)."""
+    bits = np.asarray(value, np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _from_order(order: np.ndarray) -> np.ndarray:
+    """The inverse of ``_order``."""
+    return np.where(order < 0, (-order) | 0x80000000, order).astype(np.uint32).view(np.float32)
+
+
+def _observe(front: _Front, row, host_tokens, camera_keys: dict[str, str]) -> Observe:
+    def observe(state, images=None):
+        if images is None and isinstance(state, Mapping):  # the simulator's observation dict
+            state, images = state["state"], state["images"]
+        state = jnp.asarray(state)
+        if state.ndim != 2 or state.dtype.kind not in "fiu":
+            raise ObservationError(
+                f"{front.state_key}: expected real-valued states [B, S], got {state.dtype}{state.shape}"
+            )
+        if front.state_dim is not None and state.shape[-1] != front.state_dim:
+            raise ObservationError(
+                f"{front.state_key}: expected {front.state_dim} values per state (the run's state), got {state.shape}"
+            )
+        by_key = {camera_keys.get(cam, f"observation.images.{cam}"): jnp.asarray(x) for cam, x in images.items()}
+        missing = [key for key, _ in front.cameras if key not in by_key]
+        if missing:
+            raise ObservationError(
+                f"images lack the dataset cameras {missing} (given {sorted(images)} as {sorted(by_key)}; "
+                "camera_keys maps a simulator camera to a dataset key)"
+            )
+        by_key = {key: by_key[key] for key, _ in front.cameras}
+        for key, image in by_key.items():
+            if image.dtype != jnp.uint8 or image.ndim != 4 or image.shape[-1] != 3 or image.shape[0] != state.shape[0]:
+                raise ObservationError(
+                    f"{key}: expected uint8 images [{state.shape[0]}, H, W, 3] (one per state), got "
+                    f"{image.dtype}{image.shape}"
+                )
+        out = jax.vmap(row)(state, by_key)
+        if host_tokens is not None:
+            out["tokens"], out["token_mask"] = host_tokens(state)
+        return out
+
+    return observe
+
+
+# ----------------------------------------------------------------------------- actions out
+
+
+def _act_fn(bundle: PolicyBundle) -> ActionsFn:
+    """``postprocess`` in jnp: the real action dims, unnormalised, delta dims made absolute."""
+    key = bundle.inputs.action_key
+    unnormalizer = bundle._unnormalizer
+    mode = None if unnormalizer is None else unnormalizer.modes.get(key)
+    stats = bundle.stats.get(key)
+    if mode is not None and stats is None:
+        raise DeviceIOError(f"norm_stats has no statistics for {key!r} ({mode} normalisation)")
+    mask = bundle._delta_action_mask
+    width = bundle.action_dim
+
+    def one(actions, state):
+        if mode is not None:
+            actions = unnormalize(actions, stats, mode, key=key, xp=jnp)
+        if mask is not None:
+            actions = to_absolute_actions(actions, state, mask, xp=jnp)
+        return actions
+
+    def act(actions, state):
+        actions = jnp.asarray(actions, jnp.float32)
+        if actions.ndim != 3:
+            raise ValueError(f"model actions {actions.shape}: expected [B, H, A]")
+        if width is not None:
+            actions = actions[..., :width]
+        state = jnp.asarray(state, jnp.float32).reshape(actions.shape[0], -1)
+        return jax.vmap(one)(actions, state).astype(jnp.float32)
+
+    return act
+
+
+# ----------------------------------------------------------------------------- the families' builders
+
+
+def _pad(state: jax.Array, width: int, value: Any = 0) -> jax.Array:
+    """A row's state [S] padded to the model's ``max_state_dim`` (with ``value``)."""
+    if state.shape[0] > width:
+        raise ObservationError(f"state has {state.shape[0]} dims, more than the model's max_state_dim={width}")
+    return jnp.pad(state, (0, width - state.shape[0]), constant_values=value)
+
+
+def _check_size(slot: str, image: jax.Array, size: tuple[int, int] | None, builder: str) -> None:
+    if size is not None and tuple(image.shape[:2]) != tuple(size):
+        raise DeviceIOError(
+            f"camera slot {slot!r}: images of {image.shape[0]}x{image.shape[1]} reach the {builder} builder, "
+            f"which takes {size[0]}x{size[1]} (it would resize on the host): set the data's image_size to "
+            "the model's"
+        )
+
+
+def _gr00t(builder, instruction: str, front: _Front):
+    """GR00T (``Gr00tInputBuilder``): the prompt is fixed per instruction; state padded; every
+    camera present; images as the data layer made them."""
+    slots = [slot for _, slot in front.cameras]
+    lacking = [c for c in builder.camera_names if c not in slots]
+    if lacking:
+        raise DeviceIOError(
+            f"GR00T reads cameras {list(builder.camera_names)}; the run's inputs give none for {lacking}"
+        )
+    tokens, token_mask = builder.tokenize(instruction)  # PromptError names a task it cannot take
+    tokens, token_mask = np.asarray(tokens, np.int32), np.asarray(token_mask, bool)
+    size = None if builder.image_size is None else (builder.image_size, builder.image_size)
+    embodiment = np.int32(builder.embodiment_id)
+
+    def row(state, images):
+        state, images = front.state(state), front.images(images)
+        for slot in builder.camera_names:
+            _check_size(slot, images[slot], size, "GR00T")
+        return {
+            "state": _pad(state.reshape(-1), builder.max_state_dim),
+            "embodiment_id": jnp.asarray(embodiment),
+            "tokens": jnp.asarray(tokens),
+            "token_mask": jnp.asarray(token_mask),
+            "images": {c: to_unit_range(images[c], xp=jnp) for c in builder.camera_names},
+            "image_masks": {c: jnp.asarray(True) for c in builder.camera_names},
+        }
+
+    return row, None
+
+
+def _pi05(builder, instruction: str, front: _Front):
+    """π0.5 (``Pi05InputBuilder``): the prompt holds the discretised state (``_Pi05Prompt``);
+    cameras the run lacks are -1 and masked; images read with ``floats="auto"``."""
+    prompt = _Pi05Prompt.build(builder, instruction, front)
+    host_tokens = None
+    if not prompt.verify(builder, instruction, front):
+        log.warning(
+            "device_io: the tokenizer %s merges text across the π0.5 prompt's pieces (the in-program "
+            "assembly differs from its own encoding): the prompt tokens come from the host through "
+            "jax.pure_callback on every call",
+            getattr(builder.tokenizer, "path", type(builder.tokenizer).__name__),
+        )
+        host_tokens = _host_tokens(builder, instruction, front)
+    size = tuple(builder.image_size)
+
+    def row(raw_state, images):
+        state, given = front.state(raw_state), front.images(images)
+        images, masks = {}, {}
+        for cam in builder.camera_names:
+            if cam in given:
+                images[cam] = to_unit_range(given[cam], floats="auto", xp=jnp)
+                _check_size(cam, images[cam], size, "π0.5")
+                masks[cam] = jnp.asarray(True)
+            else:
+                images[cam] = jnp.full((*size, 3), -1.0, jnp.float32)
+                masks[cam] = jnp.asarray(False)
+        out = {"images": images, "image_masks": masks, "state": _pad(state, builder.max_state_dim)}
+        if host_tokens is None:
+            out["tokens"], out["token_mask"] = prompt.tokens(raw_state)
+        return out
+
+    return row, host_tokens
+
+
+def _host_tokens(builder, instruction: str, front: _Front):
+    """The fallback: π0.5's prompt tokens of raw states [..., S], normalised and tokenised by the
+    run's own transform and builder on the host."""
+    length = builder.max_token_len
+
+    def host(states):
+        states = np.asarray(states, np.float32)
+        rows = [
+            builder({"task": instruction, "state": front.host_state(s)}) for s in states.reshape(-1, states.shape[-1])
+        ]
+        tokens = np.stack([r["tokens"] for r in rows]).astype(np.int32).reshape(*states.shape[:-1], length)
+        mask = np.stack([r["token_mask"] for r in rows]).astype(bool).reshape(*states.shape[:-1], length)
+        return tokens, mask
+
+    def tokens(states):
+        lead = states.shape[:-1]
+        spec = (jax.ShapeDtypeStruct((*lead, length), jnp.int32), jax.ShapeDtypeStruct((*lead, length), jnp.bool_))
+        return jax.pure_callback(host, spec, jnp.asarray(states, jnp.float32), vmap_method="expand_dims")
+
+    return tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pi05Prompt:
+    """π0.5's ``BOS + "Task: {task}, State: {b_0} ... {b_{D-1}};\\nAction: "`` as token tables:
+    ``head`` [Lh] the BOS and text before the first bin; ``pieces`` [2, num_bins + 1, W] (with
+    ``lengths``) the tokens of ``" {b}"`` between bins (0) and of ``" {b};\\nAction: "`` as the
+    last (1), for b = -1 .. num_bins - 1 (a normalised value below -1 discretises to -1).
+
+    The bins are counted on the raw state: ``thresholds`` [S or 1, num_bins] holds, per state
+    dimension and bin edge, the smallest float32 raw value that the host's normalisation (float64,
+    rounded once) puts on or above the edge, so the bins equal the host's exactly (a float32
+    normalisation in the program would move values that lie within rounding of an edge).
+    ``padded_bin``: the bin of the zeros padding the state to ``max_state_dim``. Built once per
+    instruction on the host."""
+
+    head: np.ndarray
+    pieces: np.ndarray
+    lengths: np.ndarray
+    thresholds: np.ndarray
+    padded_bin: int
+    max_state_dim: int
+    max_token_len: int
+    pad_id: int
+
+    @classmethod
+    def build(cls, builder, instruction: str, front: _Front) -> _Pi05Prompt:
+        tokenizer = builder.tokenizer
+        task = instruction.strip().replace("_", " ").replace("\n", " ")  # the builder's clean_task
+        head = tokenizer.encode(f"Task: {task}, State:", add_bos=True)
+        context = tokenizer.encode("State:")
+        bins = range(-1, builder.state_bins)
+        tails = ("", ";\nAction: ")
+        pieces = [[_in_context(tokenizer, "State:", context, f" {b}{tail}") for b in bins] for tail in tails]
+        widest = max(len(p) for table in pieces for p in table)
+        table = np.full((2, len(bins), max(widest, 1)), tokenizer.pad_id, np.int32)
+        lengths = np.zeros((2, len(bins)), np.int32)
+        for i, row in enumerate(pieces):
+            for j, ids in enumerate(row):
+                table[i, j, : len(ids)] = ids
+                lengths[i, j] = len(ids)
+        edges = np.linspace(-1.0, 1.0, builder.state_bins + 1)[:-1].astype(np.float32)  # exact in float32
+        return cls(
+            head=np.asarray(head, np.int32),
+            pieces=table,
+            lengths=lengths,
+            thresholds=front.thresholds(edges),
+            padded_bin=int(np.sum(np.float32(0.0) >= edges)) - 1,
+            max_state_dim=int(builder.max_state_dim),
+            max_token_len=int(builder.max_token_len),
+            pad_id=int(tokenizer.pad_id),
+        )
+
+    def bins(self, raw_state: jax.Array) -> jax.Array:
+        """The builder's ``np.digitize(normalised, edges) - 1`` of one raw state [S], padded to
+        ``max_state_dim`` (a NaN: the last bin, where NumPy sorts it)."""
+        raw_state = jnp.asarray(raw_state, jnp.float32)
+        count = jnp.sum(raw_state[:, None] >= jnp.asarray(self.thresholds), axis=-1)
+        bins = jnp.where(jnp.isnan(raw_state), self.thresholds.shape[-1], count).astype(jnp.int32) - 1
+        return _pad(bins, self.max_state_dim, self.padded_bin)
+
+    def tokens(self, raw_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(tokens int32 [L], token_mask bool [L]) of one raw state [S]."""
+        index = self.bins(raw_state) + 1  # row of the tables: bin -1 is row 0
+        last = (jnp.arange(index.shape[0]) == index.shape[0] - 1).astype(jnp.int32)
+        table, lengths = jnp.asarray(self.pieces), jnp.asarray(self.lengths)
+        pieces = table[last, index]  # [D, W]
+        valid = jnp.arange(table.shape[-1])[None, :] < lengths[last, index][:, None]
+        flat = jnp.concatenate([jnp.asarray(self.head), pieces.reshape(-1)])
+        keep = jnp.concatenate([jnp.ones(len(self.head), bool), valid.reshape(-1)])
+        count = jnp.cumsum(keep.astype(jnp.int32))  # compaction: output j is the (j+1)-th kept token
+        positions = jnp.arange(self.max_token_len)
+        source = jnp.searchsorted(count, positions + 1, side="left")
+        mask = positions < count[-1]  # truncated to max_token_len by the fixed output length
+        tokens = jnp.where(mask, flat[jnp.minimum(source, flat.shape[0] - 1)], self.pad_id)
+        return tokens.astype(jnp.int32), mask
+
+    def verify(self, builder, instruction: str, front: _Front) -> bool:
+        """Whether the assembly equals the builder's own tokens (after the host's normalisation)
+        for probe raw states: normalised every bin 0, every bin 255, every bin -1 (where the
+        normalisation reaches it), a seeded random mix, and values on and just below edges."""
+        rng = np.random.default_rng(0)
+        width = self.thresholds.shape[0] if front.state_dim is None else front.state_dim
+        normalised = [np.full(width, -1.0), np.full(width, 1.0), np.full(width, -1.5), rng.uniform(-1.05, 1.05, width)]
+        probes = [front.host_raw_state(np.asarray(n, np.float32)) for n in normalised]
+        thresholds = np.broadcast_to(self.thresholds, (width, self.thresholds.shape[-1]))
+        for _ in range(2):  # on an edge, and the float32 value below it
+            on = thresholds[np.arange(width), rng.integers(0, thresholds.shape[-1], width)]
+            probes += [on, np.nextafter(on, np.float32(-np.inf))]
+        probes = np.stack([np.nan_to_num(p, posinf=3e38, neginf=-3e38) for p in probes]).astype(np.float32)
+        got_tokens, got_mask = jax.jit(jax.vmap(self.tokens))(probes)
+        for probe, tokens, mask in zip(probes, np.asarray(got_tokens), np.asarray(got_mask), strict=True):
+            want = builder({"task": instruction, "state": front.host_state(probe)})
+            if not (np.array_equal(want["tokens"], tokens) and np.array_equal(want["token_mask"], mask)):
+                return False
+        return True
+
+
+def _in_context(tokenizer, context: str, context_ids: list[int], piece: str) -> list[int]:
+    """The tokens ``piece`` adds after ``context`` (so a tokenizer's start-of-text handling does not
+    apply to it); a tokenizer that re-tokenises the context around it gets the bare piece's, which
+    the probe check then refuses."""
+    ids = tokenizer.encode(context + piece)
+    if ids[: len(context_ids)] == context_ids:
+        return ids[len(context_ids) :]
+    return tokenizer.encode(piece)
+
+
+_FORMS = {"Pi05InputBuilder": _pi05, "Gr00tInputBuilder": _gr00t}
