@@ -40,7 +40,7 @@ _CONFIG_MODULES = (
     "embodied_jax.models.gemma",
     "embodied_jax.models.qwen3",
     "embodied_jax.models.dit",
-    "embodied_jax.models.gr00t_action_head",
+    "embodied_jax.models.gr00t.action_head",
     "embodied_jax.models.eagle",
     "embodied_jax.models.pi05",
     "embodied_jax.models.gr00t",

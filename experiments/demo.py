@@ -22,14 +22,10 @@ from embodied_jax.data.pipeline import DataConfig
 from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.sources import LeRobotData
-from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
-from embodied_jax.models.gemma import GemmaConfig
 from embodied_jax.models.gr00t import Gr00tConfig
-from embodied_jax.models.gr00t_action_head import ActionHeadConfig
-from embodied_jax.models.gr00t_inputs import SPECIAL_TOKENS, eagle_prompt
-from embodied_jax.models.pi05 import Pi05Config
-from embodied_jax.models.qwen3 import Qwen3Config
-from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.models.gr00t import variants as gr00t_variants
+from embodied_jax.models.gr00t.inputs import SPECIAL_TOKENS, eagle_prompt
+from embodied_jax.models.pi05 import variants as pi05_variants
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.policy_evaluation import SimEvaluation
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
@@ -40,25 +36,6 @@ CAMERAS = (("observation.images.scene", "base_0_rgb"), ("observation.images.wris
 GR00T_CAMERAS = (("observation.images.scene", "ego_view"), ("observation.images.wrist", "wrist_view"))
 GR00T_PAD = "<|endoftext|>"
 RECORD = "demo.json"  # what a demo run directory was made for (task, model)
-
-
-def demo_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -> Pi05Config:
-    """π0.5 architecture at small width: SigLIP (patch 8), VLM and action expert."""
-    return Pi05Config(
-        vision=SiglipConfig(width=64, depth=2, num_heads=4, mlp_dim=128, patch_size=8, image_size=image_size),
-        vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
-        expert=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16, use_adarms=True),
-        vocab_size=640,
-        camera_names=("base_0_rgb", "left_wrist_0_rgb"),
-        max_token_len=32,
-        action_horizon=horizon,
-        max_action_dim=action_dim,
-        action_dim=action_dim,
-        max_state_dim=8,
-        num_inference_steps=10,
-        flow_samples_per_obs=4,
-        dtype="float32",
-    )
 
 
 def gr00t_words() -> list[str]:
@@ -85,40 +62,11 @@ def gr00t_vocabulary() -> list[str]:
 
 
 def demo_gr00t_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -> Gr00tConfig:
-    """GR00T-N1.5 architecture at small width: Eagle (SigLIP, patch 8, + Qwen3), VL adapter, DiT.
-
-    Trained from scratch, so nothing is frozen (upstream fine-tuning freezes the backbone).
-    """
+    """The ``demo_gr00t`` size (``models/gr00t/variants.py:demo``) with this demo's vocabulary."""
     vocab = gr00t_vocabulary()
-    config = Gr00tConfig(
-        vision=SiglipConfig(width=64, depth=2, num_heads=4, mlp_dim=128, patch_size=8, image_size=image_size),
-        llm=Qwen3Config(
-            width=64, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16, mlp_dim=128, vocab_size=len(vocab)
-        ),
-        select_layer=2,
-        image_token_id=vocab.index("<IMG_CONTEXT>"),
-        camera_names=tuple(slot for _, slot in GR00T_CAMERAS),
-        action_head=ActionHeadConfig(
-            hidden_size=64,
-            input_embedding_dim=64,
-            num_future_tokens=4,
-            max_seq_len=32,
-            # No dropout (upstream's 0.2 regularises fine-tuning; from scratch it held the loss at 0.10
-            # where it reaches 0.038 without, on pick_place at step 3000).
-            dit=DiTConfig(num_layers=2, num_heads=4, head_dim=16, output_dim=64, dropout=0.0),
-            vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=16, dropout=0.0),
-        ),
-        action_dim=action_dim,
-        action_horizon=horizon,
-        max_state_dim=8,
-        num_inference_steps=10,
-        flow_samples_per_obs=4,  # as the π0.5 demo: with 1 draw per observation π0.5 fell from 43.8% to 3.1%
-        dtype="float32",
-        tune_visual=True,
-        tune_llm=True,
-        synthetic_text_tokens=(24, 38),
+    return gr00t_variants.demo(
+        action_dim, horizon, image_size, vocab_size=len(vocab), image_token_id=vocab.index("<IMG_CONTEXT>")
     )
-    return dataclasses.replace(config, max_token_len=config.image_block_tokens + 48)  # + chat template and task
 
 
 def build_gr00t_tokenizer(path: pathlib.Path) -> pathlib.Path:
@@ -386,7 +334,7 @@ def demo_config(image_size: int = IMAGE, arch: str = "pi05") -> DemoConfig:
     norm = "quantile"
     return DemoConfig(
         name="demo_gr00t" if gr00t else "demo",
-        model=demo_gr00t_model(image_size=image_size) if gr00t else demo_model(image_size=image_size),
+        model=demo_gr00t_model(image_size=image_size) if gr00t else pi05_variants.demo(image_size=image_size),
         data=LeRobotData(
             DataConfig(
                 sources=(),

@@ -101,7 +101,7 @@ def gr00t_finetune() -> ExperimentConfig:
     "gr00t_finetune with the demo's small GR00T (20 steps on a laptop): --data.root DIR --init-from WEIGHTS",
 )
 def gr00t_finetune_tiny() -> ExperimentConfig:
-    """``gr00t_finetune`` at the demo's size (``experiments.demo.demo_gr00t_model``: 32² images,
+    """``gr00t_finetune`` at the demo's size (``variants.demo`` with the demo's vocabulary: 32² images,
     4-dim actions, horizon 8; backbone frozen as upstream's finetune), so a ``demo_gr00t`` run's
     checkpoint is its ``WEIGHTS`` (tokenizer included)::
 

@@ -24,10 +24,11 @@ from embodied_jax.data.pipeline import DataConfig
 from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.sources import LeRobotData
+from embodied_jax.models.pi05 import variants
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.policy_evaluation import MetaWorldEvaluation
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
-from experiments.demo import build_tokenizer, demo_model
+from experiments.demo import build_tokenizer
 from experiments.registry import register, register_runner
 
 IMAGE = 64
@@ -163,7 +164,7 @@ def metaworld_config(
     tasks: str = "metaworld:mt10", *, name: str = "metaworld_mt10", steps: int = 6000
 ) -> MetaWorldConfig:
     model = dataclasses.replace(
-        demo_model(action_dim=4, horizon=HORIZON, image_size=IMAGE), camera_names=tuple(slot for _, slot in CAMERAS)
+        variants.demo(action_dim=4, horizon=HORIZON, image_size=IMAGE), camera_names=tuple(slot for _, slot in CAMERAS)
     )
     return MetaWorldConfig(
         name=name,

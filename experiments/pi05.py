@@ -90,15 +90,13 @@ def pi05_finetune() -> ExperimentConfig:
     "pi05_finetune with the demo's small π0.5 (20 steps on a laptop): --data.root DIR --init-from WEIGHTS",
 )
 def pi05_finetune_tiny() -> ExperimentConfig:
-    """``pi05_finetune`` at the demo's size (``experiments.demo.demo_model``: 32² images, 4-dim
+    """``pi05_finetune`` at the demo's size (``models/pi05/variants.py:demo``: 32² images, 4-dim
     actions, horizon 8), so a demo run's checkpoint is its ``WEIGHTS`` (tokenizer included)::
 
         python -m embodied_jax.sim.collect reach --episodes 20 --out DATASET_DIR
         python -m experiments.launch pi05_finetune_tiny --data.root DATASET_DIR --init-from runs/demo/reach
     """
-    from experiments.demo import demo_model  # the demo pulls in the simulator: only when asked for
-
-    model = demo_model()
+    model = variants.demo()
     return experiment(
         "pi05_finetune_tiny",
         model,

@@ -8,24 +8,22 @@ import dataclasses
 import json
 import sys
 
-from embodied_jax.models.gemma import GemmaConfig
-from embodied_jax.models.pi05 import Pi05Config
-from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.models.pi05 import variants as pi05_variants
 from embodied_jax.parallel.mesh import MeshConfig
 
 # Widths that 64 does not divide (96, 344) and arrays narrower than 64 (32-slot embodiment
 # tables, 32 action dims) exercise every placement fallback.
-SIGLIP = SiglipConfig(width=96, depth=2, num_heads=4, mlp_dim=344, patch_size=14, image_size=56)
-PI05 = Pi05Config(
+_FULL = pi05_variants.full()
+SIGLIP = dataclasses.replace(_FULL.vision, width=96, depth=2, num_heads=4, mlp_dim=344, image_size=56)
+PI05 = dataclasses.replace(
+    _FULL,
     vision=SIGLIP,
-    vlm=GemmaConfig(width=256, depth=2, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),
-    expert=GemmaConfig(width=128, depth=2, mlp_dim=512, num_heads=8, num_kv_heads=1, head_dim=32, use_adarms=True),
+    vlm=dataclasses.replace(_FULL.vlm, width=256, depth=2, mlp_dim=1024, head_dim=32),
+    expert=dataclasses.replace(_FULL.expert, width=128, depth=2, mlp_dim=512, head_dim=32),
     vocab_size=2048,
     max_token_len=48,
     action_horizon=10,
     synthetic_prompt_len=16,
-    dtype="bfloat16",
-    remat_policy="save_attention",
 )
 
 

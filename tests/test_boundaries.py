@@ -303,11 +303,14 @@ def test_each_model_family_names_its_sizes_once():
     """``models/<family>/variants.py``: the experiments' sizes are these very configs."""
     from embodied_jax.models.gr00t import variants as gr00t_variants
     from embodied_jax.models.pi05 import variants as pi05_variants
-    from experiments import gr00t, pi05
+    from experiments import demo, gr00t, pi05
 
     for family in (pi05_variants, gr00t_variants):
-        assert set(family.VARIANTS) == {"tiny", "bench", "full"}
-        with pytest.raises(KeyError, match="known: tiny, bench, full"):
+        assert set(family.VARIANTS) == {"tiny", "bench", "demo", "full"}
+        with pytest.raises(KeyError, match="known: tiny, bench, demo, full"):
             family.variant("huge")
     assert pi05.tiny_model() == pi05_variants.variant("tiny") and pi05.bench_model() == pi05_variants.variant("bench")
     assert gr00t.TINY_MODEL == gr00t_variants.variant("tiny") and gr00t.BENCH_MODEL == gr00t_variants.variant("bench")
+    # the demos' models are the demo variants (GR00T's defaults: the demo vocabulary of the built-in tasks)
+    assert demo.demo().model == pi05_variants.variant("demo")
+    assert demo.demo_gr00t().model == demo.demo_gr00t_model() == gr00t_variants.variant("demo")

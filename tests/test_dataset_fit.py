@@ -22,6 +22,7 @@ from embodied_jax.data.samples import SampleLoader
 from embodied_jax.data.sources import DataConfigError
 from embodied_jax.data.synthetic import make_episodes
 from embodied_jax.data.writer import write_lerobot_dataset
+from embodied_jax.models.pi05 import variants as pi05_variants
 from embodied_jax.sim.collect import task_modality
 from embodied_jax.sim.tasks import TASKS
 from embodied_jax.train.loop import prepare
@@ -53,7 +54,7 @@ def tokenizers(tmp_path_factory):
     from experiments import demo
 
     tmp = tmp_path_factory.mktemp("tokenizers")
-    spm = demo.build_tokenizer(tmp / "tokenizer.model", vocab_size=demo.demo_model().vocab_size)
+    spm = demo.build_tokenizer(tmp / "tokenizer.model", vocab_size=pi05_variants.demo().vocab_size)
     return {"pi05": str(spm), "gr00t": str(demo.build_gr00t_tokenizer(tmp / "tokenizer.json"))}
 
 

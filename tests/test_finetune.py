@@ -110,7 +110,7 @@ def _finetune(base, model, dataset, workdir, init_from):
 def pi05_run(tmp_path_factory):
     import sentencepiece as spm
 
-    from embodied_jax.models.weights.pi05 import PI05_LAYOUT
+    from embodied_jax.models.pi05.weights import PI05_LAYOUT
     from experiments.pi05 import pi05_finetune, tiny_model
 
     tmp = tmp_path_factory.mktemp("pi05_finetune")

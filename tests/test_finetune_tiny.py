@@ -41,12 +41,12 @@ def test_finetune_tiny_needs_only_the_dataset_and_the_weights(demo_run, tmp_path
     from embodied_jax import load_policy
 
     if arch == "pi05":
-        from embodied_jax.models.weights.pi05 import PI05_LAYOUT as layout
+        from embodied_jax.models.pi05.weights import PI05_LAYOUT as layout
         from experiments.pi05 import pi05_finetune_tiny as experiment
 
         tokenizer = demo_run / "tokenizer.model"
     else:
-        from embodied_jax.models.weights.gr00t_n15 import make_layout
+        from embodied_jax.models.gr00t.weights import make_layout
         from experiments.demo import build_gr00t_tokenizer
         from experiments.gr00t import gr00t_finetune_tiny as experiment
 

@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from embodied_jax.models.gr00t_inputs import Gr00tInputBuilder, eagle_prompt
+from embodied_jax.models.gr00t.inputs import Gr00tInputBuilder, eagle_prompt
 
 WORDS = [
     "[UNK]",

@@ -11,35 +11,26 @@ import pytest
 from flax import nnx
 
 from embodied_jax.data.packing import PackingConfig, pack_samples
-from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.gr00t import Gr00tConfig, freeze_regexes
-from embodied_jax.models.gr00t_action_head import ActionHeadConfig
-from embodied_jax.models.gr00t_inputs import packed_sample
-from embodied_jax.models.qwen3 import Qwen3Config
-from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.models.gr00t.inputs import packed_sample
+from embodied_jax.models.gr00t.variants import variant
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import batch_shardings, mesh_context
 
-TINY = Gr00tConfig(
-    vision=SiglipConfig(width=32, depth=2, num_heads=2, mlp_dim=64, patch_size=14, image_size=28),
-    llm=Qwen3Config(width=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96, vocab_size=128),
-    select_layer=2,
-    image_token_id=127,
+_TINY = variant("tiny")
+_HEAD = _TINY.action_head
+TINY = dataclasses.replace(
+    _TINY,
     camera_names=("front",),
     max_token_len=40,
-    action_head=ActionHeadConfig(
+    action_head=dataclasses.replace(
+        _HEAD,
         hidden_size=24,
-        input_embedding_dim=32,
-        max_num_embodiments=4,
         num_future_tokens=2,
         max_seq_len=8,
-        dit=DiTConfig(num_layers=2, num_heads=2, head_dim=16, output_dim=24, dropout=0.1),
-        vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=16, dropout=0.1),
+        dit=dataclasses.replace(_HEAD.dit, output_dim=24, dropout=0.1),
+        vl_self_attention=dataclasses.replace(_HEAD.vl_self_attention, dropout=0.1),
     ),
-    action_dim=6,
-    action_horizon=4,
-    max_state_dim=8,
-    dtype="float32",
     attention_impl="xla",
     synthetic_text_tokens=(8, 10),
 )

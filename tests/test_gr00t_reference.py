@@ -19,32 +19,30 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.gr00t import Gr00tConfig
-from embodied_jax.models.gr00t_action_head import ActionHeadConfig
-from embodied_jax.models.qwen3 import Qwen3Config
-from embodied_jax.models.siglip import SiglipConfig
-from embodied_jax.models.weights.gr00t_n15 import import_params
+from embodied_jax.models.gr00t.variants import variant
+from embodied_jax.models.gr00t.weights import import_params
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
 
-CFG = Gr00tConfig(
-    vision=SiglipConfig(width=16, depth=2, num_heads=2, mlp_dim=24, patch_size=14, image_size=28),
-    llm=Qwen3Config(
-        width=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=40, vocab_size=64, rope_theta=10_000.0
-    ),
-    select_layer=2,
+_TINY = variant("tiny")
+_HEAD = _TINY.action_head
+CFG = dataclasses.replace(
+    _TINY,
+    vision=dataclasses.replace(_TINY.vision, width=16, mlp_dim=24),
+    llm=dataclasses.replace(_TINY.llm, width=32, head_dim=8, mlp_dim=40, vocab_size=64, rope_theta=10_000.0),
     image_token_id=63,
     camera_names=("front", "wrist"),
     max_token_len=36,
-    action_head=ActionHeadConfig(
+    action_head=dataclasses.replace(
+        _HEAD,
         hidden_size=12,
         input_embedding_dim=16,
         max_num_embodiments=3,
         num_future_tokens=2,
         max_seq_len=8,
-        dit=DiTConfig(num_layers=4, num_heads=2, head_dim=8, output_dim=12, dropout=0.0),
-        vl_self_attention=VLSelfAttentionConfig(num_layers=1, num_heads=4, head_dim=8, dropout=0.0),
+        dit=dataclasses.replace(_HEAD.dit, num_layers=4, head_dim=8, output_dim=12, dropout=0.0),
+        vl_self_attention=dataclasses.replace(_HEAD.vl_self_attention, head_dim=8, dropout=0.0),
     ),
     action_dim=5,
     action_horizon=3,

@@ -109,7 +109,7 @@ def test_statistics_with_nan_are_refused_when_the_policy_loads(bundle):
 
 
 def test_a_task_with_a_gr00t_special_token_is_the_task_s_own_error(tmp_path):
-    from embodied_jax.models.gr00t_inputs import Gr00tInputBuilder, PromptError
+    from embodied_jax.models.gr00t.inputs import Gr00tInputBuilder, PromptError
     from experiments import demo
 
     vocab = demo.gr00t_vocabulary()

@@ -320,7 +320,7 @@ def test_gated_mlp_jit_on_sharded_mesh(sizes):
 # ----------------------------------------------------------------------------- nn.image
 
 
-def _old_pi05_resize_with_pad(img, size):  # models/pi05_inputs.py before nn.image (float, floor, pad -1)
+def _old_pi05_resize_with_pad(img, size):  # models/pi05/inputs.py before nn.image (float, floor, pad -1)
     from PIL import Image
 
     height, width = size

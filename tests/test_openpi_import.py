@@ -20,9 +20,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from embodied_jax.models import convert
-from embodied_jax.models.pi05 import Pi05Config
+from embodied_jax.models.pi05 import Pi05Config, openpi_weights
 from embodied_jax.models.pi05.variants import variant
-from embodied_jax.models.weights import openpi_pi05
 from embodied_jax.models.weights.layout import WeightMismatchError, flatten_params
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 
@@ -52,23 +51,23 @@ def test_full_size_mapping_accounts_for_every_path_and_leaf(mesh):
     """Scanned stacks (the default); the unscanned layout is covered by the tiny import below."""
     config = Pi05Config()
     rows = {p: shape for p, (shape, _) in table().items()}
-    assert openpi_pi05.source_shapes(config) == rows  # every path, every shape, nothing else
+    assert openpi_weights.source_shapes(config) == rows  # every path, every shape, nothing else
     abstract, _ = convert.abstract_params(config, mesh)
     leaves = {k: tuple(v.shape) for k, v in flatten_params(abstract)[0].items()}
     assert sum(math.prod(s) for s in rows.values()) == sum(math.prod(s) for s in leaves.values()) == 3_353_433_872
-    planned = openpi_pi05.plan(config, leaves)
+    planned = openpi_weights.plan(config, leaves)
     targets = [(move, slot) for move, slots in planned for slot in slots]
     assert sorted(slot.leaf for _, slot in targets) == sorted(leaves)  # every leaf exactly once
     sources = {p: jax.ShapeDtypeStruct(s, np.float32) for p, s in rows.items()}
     moved = jax.eval_shape(
-        lambda tree: [openpi_pi05.transform(m, tree[m.source], s, leaves[s.leaf]) for m, s in targets], sources
+        lambda tree: [openpi_weights.transform(m, tree[m.source], s, leaves[s.leaf]) for m, s in targets], sources
     )
     assert {s.leaf: out.shape for (_, s), out in zip(targets, moved, strict=True)} == leaves
 
 
 def openpi_tree(config, seed=0, dtype=None) -> dict[str, np.ndarray]:
     rows = table()
-    shapes = openpi_pi05.source_shapes(config)
+    shapes = openpi_weights.source_shapes(config)
     assert set(shapes) == set(rows)  # the table's paths, shrunk
     rng = np.random.default_rng(seed)
     return {p: rng.standard_normal(s).astype(dtype or rows[p][1]) for p, s in shapes.items()}
@@ -90,9 +89,9 @@ def save_openpi(tree, directory: Path, *, wrap=True, value=False) -> Path:
 
 def expected_leaves(config, tree, leaves) -> dict[str, np.ndarray]:
     out = {}
-    for move, slots in openpi_pi05.plan(config, {k: tuple(v.shape) for k, v in leaves.items()}):
+    for move, slots in openpi_weights.plan(config, {k: tuple(v.shape) for k, v in leaves.items()}):
         for slot in slots:
-            out[slot.leaf] = openpi_pi05.transform(move, tree[move.source], slot, tuple(leaves[slot.leaf].shape))
+            out[slot.leaf] = openpi_weights.transform(move, tree[move.source], slot, tuple(leaves[slot.leaf].shape))
     return out
 
 
@@ -159,7 +158,7 @@ def test_unwrapped_value_leaves_bfloat16_unscanned(mesh, tmp_path):
     tree = openpi_tree(config, seed=4, dtype=ml_dtypes.bfloat16)
     src = save_openpi(tree, tmp_path, wrap=False, value=True) / "params"  # the params dir itself
     abstract, shardings = convert.abstract_params(config, mesh)
-    params = openpi_pi05.import_params(src, config, abstract, shardings, mesh=mesh)
+    params = openpi_weights.import_params(src, config, abstract, shardings, mesh=mesh)
     leaves = flatten_params(params)[0]
     assert set(leaves) == set(flatten_params(abstract)[0])
     for leaf, value in expected_leaves(config, tree, leaves).items():
@@ -178,7 +177,7 @@ def test_mismatched_leaves_are_named(mesh, tiny_abstract, tmp_path):
     src = save_openpi(tree, tmp_path)
     abstract, shardings = tiny_abstract
     with pytest.raises(WeightMismatchError) as info:
-        openpi_pi05.import_params(src, TINY, abstract, shardings, mesh=mesh)
+        openpi_weights.import_params(src, TINY, abstract, shardings, mesh=mesh)
     message = str(info.value)
     assert f"missing (2): {q}, time_mlp_out/bias" in message
     assert "unexpected (1): PaliGemma/llm/layers/attn/query/w" in message

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from embodied_jax.models.pi05_inputs import Pi05InputBuilder, build_prompt, discretize_state
+from embodied_jax.models.pi05.inputs import Pi05InputBuilder, build_prompt, discretize_state
 from embodied_jax.models.tokenizer import JsonTokenizer, SentencePieceTokenizer, load_tokenizer
 from embodied_jax.nn.image import resize_with_pad
 

@@ -14,24 +14,24 @@ import pytest
 from flax import nnx
 
 from embodied_jax.data.packing import PackingConfig, pack_samples
-from embodied_jax.models.gemma import GemmaConfig
-from embodied_jax.models.pi05 import Pi05Config
-from embodied_jax.models.pi05_inputs import packed_sample, stack_rows, synthetic_samples
-from embodied_jax.models.siglip import SiglipConfig
+from embodied_jax.models.pi05.inputs import packed_sample, stack_rows, synthetic_samples
+from embodied_jax.models.pi05.variants import variant
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import batch_shardings, mesh_context
 
 BATCH = 8
-CONFIG = Pi05Config(
-    vision=SiglipConfig(width=16, depth=1, num_heads=2, mlp_dim=32, patch_size=8, image_size=16),
-    vlm=GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=8),
-    expert=GemmaConfig(width=16, depth=2, mlp_dim=32, num_heads=2, num_kv_heads=1, head_dim=8, use_adarms=True),
+_TINY = variant("tiny")
+CONFIG = dataclasses.replace(
+    _TINY,
+    vision=dataclasses.replace(_TINY.vision, width=16, depth=1, mlp_dim=32, image_size=16),
+    vlm=dataclasses.replace(_TINY.vlm, width=32, mlp_dim=64, num_heads=2, head_dim=8),
+    expert=dataclasses.replace(_TINY.expert, width=16, mlp_dim=32, num_heads=2, head_dim=8),
     vocab_size=64,
     camera_names=("base", "left", "right"),
     max_token_len=16,
     action_horizon=4,
-    max_action_dim=8,
     action_dim=6,
+    max_state_dim=32,
     synthetic_prompt_len=6,
     num_inference_steps=2,
     attention_impl="xla",

@@ -11,6 +11,7 @@ Sizes break the easy assumptions: heads × head_dim ≠ width in both experts, g
 patch 4 with 12×12 images, an empty camera slot, prompt padding, action_dim < max_action_dim.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -20,10 +21,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from embodied_jax.models.gemma import GemmaConfig
-from embodied_jax.models.pi05 import Pi05Config
-from embodied_jax.models.siglip import SiglipConfig
-from embodied_jax.models.weights.pi05 import PI05_LAYOUT
+from embodied_jax.models.pi05.variants import variant
+from embodied_jax.models.pi05.weights import PI05_LAYOUT
 from embodied_jax.models.weights.safetensors_io import import_checkpoint
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context
@@ -33,16 +32,20 @@ VLM = dict(width=32, depth=2, mlp=48, heads=4, kv_heads=2, head_dim=12)
 EXPERT = dict(width=16, depth=2, mlp=24, heads=4, kv_heads=2, head_dim=12)
 VOCAB, TOKENS, HORIZON, MAX_ADIM, ADIM, CAMS, BATCH = 50, 7, 4, 6, 5, ("base", "left", "right"), 2
 
-CONFIG = Pi05Config(
-    vision=SiglipConfig(width=24, depth=2, num_heads=3, mlp_dim=40, patch_size=4, image_size=12),
-    vlm=GemmaConfig(width=32, depth=2, mlp_dim=48, num_heads=4, num_kv_heads=2, head_dim=12),
-    expert=GemmaConfig(width=16, depth=2, mlp_dim=24, num_heads=4, num_kv_heads=2, head_dim=12, use_adarms=True),
+_TINY = variant("tiny")
+CONFIG = dataclasses.replace(
+    _TINY,
+    vision=dataclasses.replace(_TINY.vision, width=24, num_heads=3, mlp_dim=40, patch_size=4, image_size=12),
+    vlm=dataclasses.replace(_TINY.vlm, width=32, mlp_dim=48, num_kv_heads=2, head_dim=12),
+    expert=dataclasses.replace(_TINY.expert, width=16, mlp_dim=24, num_kv_heads=2, head_dim=12),
     vocab_size=VOCAB,
     camera_names=CAMS,
     max_token_len=TOKENS,
     action_horizon=HORIZON,
     max_action_dim=MAX_ADIM,
     action_dim=ADIM,
+    max_state_dim=32,
+    synthetic_prompt_len=0,
     num_inference_steps=3,
     attention_impl="xla",
 )

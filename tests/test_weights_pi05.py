@@ -22,8 +22,8 @@ from test_pi05_reference import upstream_checkpoint
 
 from embodied_jax.models import convert
 from embodied_jax.models.pi05 import Pi05Config
+from embodied_jax.models.pi05.weights import PI05_LAYOUT
 from embodied_jax.models.weights.layout import WeightMismatchError, flatten_params, plan
-from embodied_jax.models.weights.pi05 import PI05_LAYOUT
 from embodied_jax.models.weights.safetensors_io import CheckpointReader, export_checkpoint, import_checkpoint
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.parallel.sharding import mesh_context

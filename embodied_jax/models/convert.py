@@ -11,7 +11,7 @@ Forward: ``--src`` is a directory holding ``model.safetensors`` (or a sharded
 upstream's ``config.json``. Tensors are streamed one at a time into the parameters of
 ``nnx.eval_shape(config.make)``, each placed with its sharding on a mesh over all local devices
 (FSDP), checked for shape and cast to the config's ``param_dtype``. ``--arch pi05 --layout openpi``
-reads openpi's own Orbax ``params`` item instead (``weights/openpi_pi05.py``); it is detected when
+reads openpi's own Orbax ``params`` item instead (``pi05/openpi_weights.py``); it is detected when
 ``--src`` is an Orbax directory or holds one as ``params/``.
 
 Output format (``CKPT_DIR``, what ``experiments.launch --init-from`` reads): an Orbax
@@ -66,16 +66,16 @@ def _pi05_config():
 
 def _pi05_layout(name: str = "lerobot"):
     if name == "openpi":
-        from embodied_jax.models.weights.openpi_pi05 import OPENPI_LAYOUT
+        from embodied_jax.models.pi05.openpi_weights import OPENPI_LAYOUT
 
         return OPENPI_LAYOUT
-    from embodied_jax.models.weights.pi05 import PI05_LAYOUT
+    from embodied_jax.models.pi05.weights import PI05_LAYOUT
 
     return PI05_LAYOUT
 
 
 def _pi05_detect(src) -> str:
-    from embodied_jax.models.weights.openpi_pi05 import is_openpi_checkpoint
+    from embodied_jax.models.pi05.openpi_weights import is_openpi_checkpoint
 
     return "openpi" if is_openpi_checkpoint(src) else "lerobot"
 
@@ -87,13 +87,13 @@ def _gr00t_config():
 
 
 def _gr00t_layout(name: str):
-    from embodied_jax.models.weights.gr00t_n15 import make_layout
+    from embodied_jax.models.gr00t.weights import make_layout
 
     return make_layout(name)
 
 
 def _gr00t_detect(src) -> str:
-    from embodied_jax.models.weights.gr00t_n15 import detect_layout
+    from embodied_jax.models.gr00t.weights import detect_layout
 
     return detect_layout(src)
 

@@ -14,7 +14,7 @@ Interleaved DiT blocks have different key/value shapes, so a scanned DiT stacks 
 (``transformer_blocks.cross_block`` = upstream block 2i, ``.self_block`` = block 2i+1).
 
 Names map to upstream as ``attn1.to_out`` <- ``attn1.to_out.0``, ``ff.proj_in`` <-
-``ff.net.0.proj``, ``ff.proj_out`` <- ``ff.net.2`` (see ``models/weights/gr00t_n15.py``).
+``ff.net.0.proj``, ``ff.proj_out`` <- ``ff.net.2`` (see ``models/gr00t/weights.py``).
 
 Masking: queries and keys carry segment ids (``nn.attention``). Cross-attention takes the
 VL ``context`` per *row* (``[R, S, D]``) and optionally ``context_gather`` = (rows [B],

@@ -92,7 +92,7 @@ def model_for(config, family: str, mixture: list[Sample]):
 
 
 def pi05_samples(model, mixture, rng):
-    from embodied_jax.models.pi05_inputs import packed_sample
+    from embodied_jax.models.pi05.inputs import packed_sample
 
     size = model.vision.image_size
     padded, packed = [], []
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from embodied_jax.data.packing import PackingConfig, pack_samples
     from embodied_jax.models.gr00t import Gr00tConfig
-    from embodied_jax.models.pi05_inputs import stack_rows
+    from embodied_jax.models.pi05.inputs import stack_rows
     from embodied_jax.train.runtime import build, initial_state
     from experiments.launch import parse
 

@@ -1,5 +1,5 @@
 """GR00T-N1.5 policy: config, flow-matching loss and sampling, freezing (the attention layout of
-unpacked and packed batches: ``gr00t_layout.py``).
+unpacked and packed batches: ``layout.py``).
 
 ``Gr00tPolicy`` = ``backbone`` (Eagle 2.5: SigLIP + ``mlp1`` + truncated Qwen3) and
 ``action_head`` (VL LayerNorm + adapter, embodiment-specific encoders/decoder, DiT).
@@ -12,7 +12,7 @@ Sampling: backbone + adapter once, K Euler steps (bucket int(k / K * 1000)) of t
 
 Batch (DESIGN.md observation + training keys):
   ``images`` {camera: [B, H, W, 3] in [-1, 1]} (cameras in ``Gr00tConfig.camera_names`` order),
-  ``tokens`` int32 [B, L], ``token_mask`` bool [B, L] (the prompt from ``gr00t_inputs``),
+  ``tokens`` int32 [B, L], ``token_mask`` bool [B, L] (the prompt from ``inputs.py``),
   ``state`` [B, max_state_dim], ``embodiment_id`` int32 [B], ``actions`` [B, horizon,
   action_dim], ``action_mask`` [B, horizon, action_dim] (optional; all ones).
 Packed rows (``data/packing.py``, ``mask_vl_padding=True`` only): ``tokens``, ``segment_ids``,

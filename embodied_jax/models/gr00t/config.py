@@ -14,8 +14,9 @@ from embodied_jax.assets import AssetError
 from embodied_jax.config_registry import register
 from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.eagle import EagleConfig
+from embodied_jax.models.gr00t.action_head import ActionHeadConfig
+from embodied_jax.models.gr00t.flops import training_flops as analytic_training_flops
 from embodied_jax.models.gr00t.model import Gr00tPolicy
-from embodied_jax.models.gr00t_action_head import ActionHeadConfig
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn.block_sparse import BlockSparseTiling
@@ -188,7 +189,7 @@ class Gr00tConfig(PolicyConfig):
     def input_builder(self, packed: bool = False):
         """The per-sample input builder (Eagle prompt, images, padded state/actions, embodiment id);
         ``packed``: variable-length samples (only the cameras a sample has) for ``data/packing.py``."""
-        from embodied_jax.models.gr00t_inputs import Gr00tInputBuilder
+        from embodied_jax.models.gr00t.inputs import Gr00tInputBuilder
 
         if self.tokenizer_path is None:
             raise AssetError(
@@ -204,89 +205,8 @@ class Gr00tConfig(PolicyConfig):
         return Gr00tInputBuilder.for_config(self, self.tokenizer_path, embodiment_id=self.embodiment_id, packed=packed)
 
     def training_flops(self, batch) -> dict[str, float]:
-        """Analytic training FLOPs of one step on ``batch`` (NumPy; unpacked or packed rows):
-        ``weights`` (weight matmuls of every token the batch carries, padding included) and
-        ``attention`` (q·k and p·v: dense over an unpacked row, per sample in packed rows;
-        the DiT cross-attends its sample's window). Frozen modules before every trainable
-        one run forward only (``tune_*``)."""
-        from embodied_jax.nn import flops
-
-        llm, head = self.llm, self.action_head
-        dit, vl = head.dit, head.vl_self_attention
-        tokens = np.asarray(batch["tokens"])
-        rows, length = tokens.shape
-        patches = self.vision.num_patches
-        if "segment_ids" in batch:
-            seg = np.asarray(batch["segment_ids"])
-            images = rows * int(np.asarray(batch["images"]).shape[1])
-            slots = int(np.asarray(batch["sample_mask"]).size)
-            pairs = sum(flops.attention_pairs(np.bincount(r[r > 0])[1:].tolist()) for r in seg)
-            window = min(length, self.max_token_len)
-        else:
-            images, slots = rows * len(self.camera_names), rows
-            pairs = rows * flops.attention_pairs((), dense_length=length)
-            window = length
-        vl_tokens = rows * length
-        dit_tokens = 1 + head.num_future_tokens + self.action_horizon
-        inner = dit.inner_dim
-        weights, attention = flops.Tally(), flops.Tally()
-        weights.add(
-            flops.siglip(self.vision, images) + 2 * images * patches * self.vision.width * llm.width,
-            trains=self.tune_visual,
-        )
-        attention.add(0.0, trains=self.tune_visual)
-        llm_dims = dict(width=llm.width, heads=llm.num_heads, kv_heads=llm.num_kv_heads, head_dim=llm.head_dim)
-        weights.add(
-            self.select_layer * flops.transformer_layer(vl_tokens, 0, mlp_dim=llm.mlp_dim, gated=True, **llm_dims),
-            trains=self.tune_llm,
-        )
-        attention.add(self.select_layer * 4 * pairs * llm.num_heads * llm.head_dim, trains=self.tune_llm)
-        vl_dims = dict(width=llm.width, heads=vl.num_heads, kv_heads=vl.num_heads, head_dim=vl.head_dim)
-        weights.add(
-            vl.num_layers * flops.transformer_layer(vl_tokens, 0, mlp_dim=4 * llm.width, gated=False, **vl_dims),
-            trains=True,
-        )
-        attention.add(vl.num_layers * 4 * pairs * vl.num_heads * vl.head_dim, trains=True)
-        dit_dims = dict(
-            width=inner,
-            heads=dit.num_heads,
-            kv_heads=dit.num_heads,
-            head_dim=dit.head_dim,
-            mlp_dim=4 * inner,
-            gated=False,
-        )
-        cross = dit.num_layers // 2 if dit.interleave_self_attention else dit.num_layers
-        draws = slots * self.flow_samples_per_obs  # the DiT runs once per (slot, flow draw)
-        tokens_dit = draws * dit_tokens
-        # cross-attention keys/values are projected once per VL token of a row (upstream: per sample);
-        # with several flow draws, once per draw of each sample's tokens (its window when packed)
-        if self.flow_samples_per_obs == 1:
-            context_tokens = vl_tokens
-        else:
-            context_tokens = draws * window if "segment_ids" in batch else vl_tokens * self.flow_samples_per_obs
-        dit_flops = cross * flops.transformer_layer(
-            tokens_dit, 0, context_tokens=context_tokens, context_width=llm.width, **dit_dims
-        ) + (dit.num_layers - cross) * flops.transformer_layer(tokens_dit, 0, **dit_dims)
-        hidden, emb = head.hidden_size, head.input_embedding_dim
-        head_flops = 2 * slots * (self.max_state_dim * hidden + hidden * emb)  # state encoder, once per slot
-        head_flops += (
-            2
-            * draws
-            * self.action_horizon
-            * (self.action_dim * emb + 3 * emb**2 + hidden * hidden + hidden * self.action_dim)
-        )
-        head_flops += 2 * draws * inner * 2 * inner * (dit.num_layers + 1)  # AdaLayerNorms and proj_out_1, per draw
-        weights.add(dit_flops + head_flops, trains=self.tune_diffusion_model or self.tune_projector)
-        attention.add(
-            4
-            * draws
-            * dit_tokens
-            * (cross * window + (dit.num_layers - cross) * dit_tokens)
-            * dit.num_heads
-            * dit.head_dim,
-            trains=self.tune_diffusion_model,
-        )
-        return {"weights": weights.total, "attention": attention.total}
+        """Analytic training FLOPs of one step on ``batch`` (``flops.py``)."""
+        return analytic_training_flops(self, batch)
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
         rng = np.random.default_rng(seed)

@@ -11,8 +11,8 @@ import numpy as np
 from flax import nnx
 
 from embodied_jax.models.eagle import EagleBackbone
-from embodied_jax.models.gr00t_action_head import Gr00tActionHead
-from embodied_jax.models.gr00t_layout import vl_layout
+from embodied_jax.models.gr00t.action_head import Gr00tActionHead
+from embodied_jax.models.gr00t.layout import vl_layout
 from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.lora import LoRAConfig
 
@@ -203,7 +203,7 @@ class Gr00tPolicy(nnx.Module):
 
 
 def _dit_velocity(head, state_features, x, buckets, slots, vl, layout, key=None):
-    """The action head's velocity at ``x`` with the VL features' segment layout (``gr00t_layout``)."""
+    """The action head's velocity at ``x`` with the VL features' segment layout (``layout.py``)."""
     return head.velocity(
         state_features,
         x,

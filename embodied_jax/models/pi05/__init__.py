@@ -1,7 +1,7 @@
 """π0.5 (openpi / LeRobot ``PI05Policy``) as a Flax NNX Policy, with prefix reuse and packing.
 
 Architecture: SigLIP tower + linear projector embed each camera image (not scaled); Gemma token
-embeddings of the prompt (which carries the discretised state, see ``pi05_inputs``) are scaled by
+embeddings of the prompt (which carries the discretised state, see ``inputs.py``) are scaled by
 √width; together they form the prefix, attended bidirectionally (block 0). The action suffix
 (``action_in_proj`` of the noisy actions, block 1) runs through the action expert, whose norms are
 AdaRMS conditioned on ``silu(time_mlp_out(silu(time_mlp_in(sincos(t)))))``; the VLM and the expert

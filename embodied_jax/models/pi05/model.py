@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from embodied_jax.models.gemma import GemmaConfig, MultiExpertGemma, TokenLayout
-from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
+from embodied_jax.models.gemma import MultiExpertGemma, TokenLayout
+from embodied_jax.models.siglip import SiglipVisionModel
 from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.attention import mask_positions
 from embodied_jax.nn.block_sparse import SegmentBounds
@@ -19,11 +19,6 @@ from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import fill_image_tokens, sincos_embedding
 from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.parallel.partition import shard_tokens
-
-GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256)
-GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256, use_adarms=True)
-SIGLIP_SO400M = SiglipConfig(width=1152, depth=27, num_heads=16, mlp_dim=4304, patch_size=14, image_size=224)
-
 
 if TYPE_CHECKING:  # the config imports this module (its make() builds the policy)
     from embodied_jax.models.pi05.config import Pi05Config

@@ -1,7 +1,7 @@
-"""The π0.5 sizes, named once: ``tiny`` (tests, the demo's base), ``bench`` (CPU benchmarks,
-LeRobot's anchor sizes), ``full`` (the published model). ``variant(name)`` returns a fresh config;
-tests and benchmarks adjust one with ``dataclasses.replace``. (The demo's own size, fitted to its
-task, is ``experiments/demo.py:demo_model``.)"""
+"""The π0.5 sizes, named once: ``tiny`` (tests), ``bench`` (CPU benchmarks, LeRobot's anchor
+sizes), ``demo`` (the demo's policy, trained from scratch on a CPU), ``full`` (the published model).
+``variant(name)`` returns a fresh config; tests and benchmarks adjust one with ``dataclasses.replace``
+(the demo fits its widths and image slots to its task: ``experiments/demo.py:fit_to_task``)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def bench() -> Pi05Config:
 
 
 def tiny() -> Pi05Config:
-    """A few-hundred-thousand-parameter π0.5 for tests and the demo (seconds per step on a CPU)."""
+    """A few-hundred-thousand-parameter π0.5 for tests (seconds per step on a CPU)."""
     return Pi05Config(
         vision=SiglipConfig(width=32, depth=2, num_heads=2, mlp_dim=64, patch_size=8, image_size=32),
         vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
@@ -56,7 +56,28 @@ def tiny() -> Pi05Config:
     )
 
 
-VARIANTS = {"tiny": tiny, "bench": bench, "full": full}
+def demo(action_dim: int = 4, horizon: int = 8, image_size: int = 32) -> Pi05Config:
+    """The demo's π0.5 (``python -m experiments.launch``): the architecture at small width (SigLIP
+    with patch 8, VLM and action expert 64 wide), 4 flow draws per observation; ``action_dim``,
+    ``horizon`` and the (square) ``image_size`` are the task's."""
+    return Pi05Config(
+        vision=SiglipConfig(width=64, depth=2, num_heads=4, mlp_dim=128, patch_size=8, image_size=image_size),
+        vlm=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16),
+        expert=GemmaConfig(width=64, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16, use_adarms=True),
+        vocab_size=640,
+        camera_names=("base_0_rgb", "left_wrist_0_rgb"),
+        max_token_len=32,
+        action_horizon=horizon,
+        max_action_dim=action_dim,
+        action_dim=action_dim,
+        max_state_dim=8,
+        num_inference_steps=10,
+        flow_samples_per_obs=4,
+        dtype="float32",
+    )
+
+
+VARIANTS = {"tiny": tiny, "bench": bench, "demo": demo, "full": full}
 
 
 def variant(name: str) -> Pi05Config:

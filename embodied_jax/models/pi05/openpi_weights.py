@@ -50,6 +50,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from embodied_jax.models.pi05.weights import PI05_LAYOUT
 from embodied_jax.models.weights.layout import (
     LAYER,
     WeightMismatchError,
@@ -57,7 +58,6 @@ from embodied_jax.models.weights.layout import (
     format_names,
     unflatten_params,
 )
-from embodied_jax.models.weights.pi05 import PI05_LAYOUT
 
 log = logging.getLogger(__name__)
 
