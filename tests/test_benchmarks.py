@@ -2,6 +2,8 @@
 
 import importlib
 
+import jax
+import numpy as np
 import pytest
 import tyro
 
@@ -215,6 +217,36 @@ def test_anchors_stand_beside_the_runs_of_their_configuration(tmp_path, monkeypa
     assert "Them, 2026-01-02: median_step_s 0.5 (ours 0.50x) |" in table  # the latest of the anchor
     assert "| experiment b_bench: no recorded run | - | Them, 2026-01-01: median_step_s 1 |" in table
     assert "| Them | experiment b_bench | 2026-01-01 | their cpu, ? | not recorded | a test |" in table
+
+
+def test_the_batch_search_doubles_then_bisects():
+    """``largest_batch``: doubling, then bisection; the bytes of two fitting batches, extrapolated,
+    jump to the answer when memory is affine; always the largest batch that fits."""
+    from experiments.benchmarks.gpu_suite import largest_batch
+
+    affine = lambda b: 1000 + 100 * b  # noqa: E731
+    assert largest_batch(affine, 1000 + 100 * 37, 256) == (37, [1, 2, 37, 38])
+    assert largest_batch(affine, 1e12, 8) == (8, [1, 2, 8])
+    assert largest_batch(affine, 1000, 8) == (0, [1])
+    assert largest_batch(lambda b: 1 if b < 10 else None, 1e12, 64)[0] == 9  # None: XLA ran out of memory
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # memory growing with the batch, but not affinely
+        limit = int(rng.integers(1, 400))
+        table = np.cumsum(rng.integers(0, 1000, limit + 1) ** int(rng.integers(1, 3)))
+        budget = float(rng.uniform(0, table[-1] * 1.1))
+        found, probed = largest_batch(lambda b, table=table: int(table[b]), budget, limit)
+        assert found == max([b for b in range(1, limit + 1) if table[b] <= budget], default=0)
+        assert len(probed) == len(set(probed)) <= 2 * np.log2(limit) + 4
+
+
+def test_the_batch_search_reads_the_compiled_steps_memory():
+    """``batch_search``: each probe compiles the experiment's step for abstract batches of that size."""
+    from experiments.benchmarks.gpu_suite import batch_search
+
+    found = batch_search(["toy"], limit=2, budget=1e12)
+    assert found["per_device_batch"] == 2 and list(found["probes"]) == [1, 2]
+    assert all(b > 0 for b in found["probes"].values())
+    assert found["batch_size"] == 2 * jax.device_count()  # toy's batch is split over every device
 
 
 def test_the_gpu_suite_rehearses_on_cpu():
