@@ -74,3 +74,19 @@ def test_unversioned_or_unregistered_configs_are_refused():
         to_dict(ExperimentConfig(model=Unregistered()))
     with pytest.raises(ValueError, match="registered twice"):
         register(dataclasses.make_dataclass("ExperimentConfig", [("y", int, 0)], frozen=True))
+
+
+def test_model_configs_keep_the_compute_fields_and_build_one_compute_from_them():
+    """``nn.compute.Compute``: a model config keeps the six settings as its own saved fields (its
+    config.json and ``--model.dtype`` and friends unchanged) and builds the one object its modules take."""
+    from embodied_jax.nn.compute import Compute
+    from experiments import launch
+
+    names = [f.name for f in dataclasses.fields(Compute)]
+    flags = ["--model.dtype", "bfloat16", "--model.fp8", "flax", "--model.no-scan-layers"]
+    for name in ("pi05_bench", "gr00t_bench"):
+        config = launch.parse([name, *flags]).model
+        saved = to_dict(config)["config"]
+        assert "compute" not in saved and {n: saved[n] for n in names} == dataclasses.asdict(config.compute)
+        assert config.compute == Compute("bfloat16", "float32", "flax", "auto", False, "none"), name
+        assert from_dict(to_dict(config)).compute == config.compute

@@ -40,6 +40,7 @@ from flax import nnx
 
 from embodied_jax.config_registry import register
 from embodied_jax.nn.attention import attention
+from embodied_jax.nn.compute import Compute
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import timestep_embedding
 from embodied_jax.nn.norms import AdaLayerNorm, LayerNorm, layer_normalize
@@ -87,10 +88,7 @@ def dropout(x, keep):
 class BlockSpec:
     """What a block needs beyond its shapes (shared by every block of a stack)."""
 
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    fp8: str = "none"
-    attention_impl: str = "auto"
+    compute: Compute = Compute()
     dropout: float = 0.0
     lora: Any = None  # nn.lora.LoRAConfig for every attention / feed-forward Dense, or None
 
@@ -101,9 +99,9 @@ class Attention(nnx.Module):
     def __init__(
         self, dim: int, heads: int, head_dim: int, context_dim: int | None, spec: BlockSpec, *, rngs: nnx.Rngs
     ):
-        self.heads, self.head_dim, self.impl = heads, head_dim, spec.attention_impl
+        self.heads, self.head_dim, self.impl = heads, head_dim, spec.compute.attention_impl
         inner = heads * head_dim
-        common = dict(fp8=spec.fp8, dtype=spec.dtype, param_dtype=spec.param_dtype, lora=spec.lora, rngs=rngs)
+        common = dict(lora=spec.lora, rngs=rngs, **spec.compute.dense)
         self.to_q = Dense(dim, inner, axes=("embed", "heads"), **common)
         self.to_k = Dense(context_dim or dim, inner, axes=("embed", "heads"), **common)
         self.to_v = Dense(context_dim or dim, inner, axes=("embed", "heads"), **common)
@@ -144,7 +142,7 @@ class FeedForward(nnx.Module):
     """diffusers ``FeedForward`` with ``gelu-approximate``: ``proj_out(gelu_tanh(proj_in(x)))``."""
 
     def __init__(self, dim: int, spec: BlockSpec, *, mult: int = 4, rngs: nnx.Rngs):
-        common = dict(fp8=spec.fp8, dtype=spec.dtype, param_dtype=spec.param_dtype, lora=spec.lora, rngs=rngs)
+        common = dict(lora=spec.lora, rngs=rngs, **spec.compute.dense)
         self.proj_in = Dense(dim, mult * dim, axes=("embed", "mlp"), **common)
         self.proj_out = Dense(mult * dim, dim, axes=("mlp", "embed"), **common)
 
@@ -171,23 +169,14 @@ class BasicTransformerBlock(nnx.Module):
         self.ada_norm = ada_norm
         self.rate = spec.dropout
         self.is_cross = context_dim is not None
+        dtypes = spec.compute.dtypes
         if ada_norm:
-            self.norm1 = AdaLayerNorm(
-                dim,
-                dim,
-                eps=1e-5,
-                chunk_order=("scale", "shift"),
-                dtype=spec.dtype,
-                param_dtype=spec.param_dtype,
-                rngs=rngs,
-            )
+            self.norm1 = AdaLayerNorm(dim, dim, eps=1e-5, chunk_order=("scale", "shift"), rngs=rngs, **dtypes)
         else:
-            self.norm1 = LayerNorm(dim, eps=1e-5, dtype=spec.dtype, param_dtype=spec.param_dtype)
+            self.norm1 = LayerNorm(dim, eps=1e-5, **dtypes)
         self.attn1 = Attention(dim, heads, head_dim, context_dim, spec, rngs=rngs)
         affine = not ada_norm  # DiT blocks: norm_elementwise_affine=False
-        self.norm3 = LayerNorm(
-            dim, eps=1e-5, use_scale=affine, use_bias=affine, dtype=spec.dtype, param_dtype=spec.param_dtype
-        )
+        self.norm3 = LayerNorm(dim, eps=1e-5, use_scale=affine, use_bias=affine, **dtypes)
         self.ff = FeedForward(dim, spec, rngs=rngs)
 
     def __call__(
@@ -232,8 +221,8 @@ class DiTConfig:
 class TimestepEmbedding(nnx.Module):
     """diffusers ``TimestepEmbedding``: ``linear_2(silu(linear_1(x)))``."""
 
-    def __init__(self, in_dim: int, dim: int, spec: BlockSpec, *, rngs: nnx.Rngs):
-        common = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, rngs=rngs)
+    def __init__(self, in_dim: int, dim: int, compute: Compute, *, rngs: nnx.Rngs):
+        common = dict(rngs=rngs, **compute.dtypes)  # no FP8 or LoRA: only the blocks take them
         self.linear_1 = Dense(in_dim, dim, axes=("cond", "embed"), **common)
         self.linear_2 = Dense(dim, dim, axes=("embed", "cond"), **common)
 
@@ -244,9 +233,9 @@ class TimestepEmbedding(nnx.Module):
 class TimestepEncoder(nnx.Module):
     """Timestep bucket -> diffusers sinusoid (cos first, shift 1) -> ``timestep_embedder``."""
 
-    def __init__(self, dim: int, channels: int, spec: BlockSpec, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, channels: int, compute: Compute, *, rngs: nnx.Rngs):
         self.channels = channels
-        self.timestep_embedder = TimestepEmbedding(channels, dim, spec, rngs=rngs)
+        self.timestep_embedder = TimestepEmbedding(channels, dim, compute, rngs=rngs)
 
     def __call__(self, timesteps):
         proj = timestep_embedding(timesteps, self.channels, flip_sin_to_cos=True, downscale_freq_shift=1.0)
@@ -289,28 +278,27 @@ class CrossBlock(nnx.Module):
 
 
 class DiT(nnx.Module):
-    """``cross_attention_dim``: the width of the VL context (GR00T: the backbone's)."""
+    """``cross_attention_dim``: the width of the VL context (GR00T: the backbone's); ``lora`` (an
+    ``nn.lora.LoRAConfig``) adds adapters to every attention and feed-forward Dense of its blocks."""
 
     def __init__(
-        self,
-        config: DiTConfig,
-        spec: BlockSpec,
-        *,
-        cross_attention_dim: int,
-        scan_layers: bool = True,
-        remat_policy: str = "none",
-        rngs: nnx.Rngs,
+        self, config: DiTConfig, compute: Compute, *, cross_attention_dim: int, lora: Any = None, rngs: nnx.Rngs
     ):
         if config.interleave_self_attention and config.num_layers % 2:
             raise ValueError(f"DiTConfig.num_layers={config.num_layers} must be even with interleave_self_attention")
-        self.config, self.scan_layers, self.remat_policy = config, scan_layers, remat_policy
+        self.config, self.compute = config, compute
         dim = config.inner_dim
-        self.timestep_encoder = TimestepEncoder(dim, config.timestep_channels, spec, rngs=rngs)
+        spec = BlockSpec(compute, config.dropout, lora)
+        self.timestep_encoder = TimestepEncoder(dim, config.timestep_channels, compute, rngs=rngs)
         block = DiTBlockPair if config.interleave_self_attention else CrossBlock
         self.num_steps = config.num_layers // 2 if config.interleave_self_attention else config.num_layers
-        factory = lambda r: block(config, spec, cross_attention_dim=cross_attention_dim, rngs=r)  # noqa: E731
-        self.transformer_blocks = build_stack(factory, self.num_steps, scan=scan_layers, rngs=rngs)
-        common = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, rngs=rngs)
+        self.transformer_blocks = build_stack(
+            lambda r: block(config, spec, cross_attention_dim=cross_attention_dim, rngs=r),
+            self.num_steps,
+            scan=compute.scan_layers,
+            rngs=rngs,
+        )
+        common = dict(rngs=rngs, **compute.dtypes)
         self.proj_out_1 = Dense(dim, 2 * dim, axes=("cond", "embed"), **common)
         self.proj_out_2 = Dense(dim, config.output_dim, axes=("embed", "mlp"), **common)
 
@@ -330,8 +318,7 @@ class DiT(nnx.Module):
             kv_segment_ids,
             context_gather,
             keys,
-            scan=self.scan_layers,
-            remat_policy=self.remat_policy,
+            **self.compute.stack,
         )
         shift, scale = jnp.split(self.proj_out_1(jax.nn.silu(temb)).astype(jnp.float32), 2, axis=-1)
         h = layer_normalize(x, 1e-6) * (1.0 + scale[:, None]) + shift[:, None]
@@ -350,21 +337,14 @@ class VLSelfAttentionConfig:
 class SelfAttentionTransformer(nnx.Module):
     """``vl_self_attention``: affine-LayerNorm self-attention blocks over the VL tokens."""
 
-    def __init__(
-        self,
-        config: VLSelfAttentionConfig,
-        spec: BlockSpec,
-        *,
-        scan_layers: bool = True,
-        remat_policy: str = "none",
-        rngs: nnx.Rngs,
-    ):
-        self.config, self.scan_layers, self.remat_policy = config, scan_layers, remat_policy
+    def __init__(self, config: VLSelfAttentionConfig, compute: Compute, *, rngs: nnx.Rngs):
+        self.config, self.compute = config, compute
         dim = config.num_heads * config.head_dim
+        spec = BlockSpec(compute, config.dropout)
         self.transformer_blocks = build_stack(
             lambda r: BasicTransformerBlock(dim, config.num_heads, config.head_dim, spec, rngs=r),
             config.num_layers,
-            scan=scan_layers,
+            scan=compute.scan_layers,
             rngs=rngs,
         )
 
@@ -377,6 +357,5 @@ class SelfAttentionTransformer(nnx.Module):
             segment_ids,
             key=keys,
             bounds=bounds,
-            scan=self.scan_layers,
-            remat_policy=self.remat_policy,
+            **self.compute.stack,
         )

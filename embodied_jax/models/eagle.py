@@ -16,15 +16,14 @@ layers; the features are its final RMSNorm output.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from embodied_jax.config_registry import register
 from embodied_jax.models.qwen3 import Qwen3Config, Qwen3Model
 from embodied_jax.models.siglip import SiglipConfig, SiglipVisionModel
+from embodied_jax.nn.compute import Compute
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import fill_image_tokens
 from embodied_jax.parallel.partition import shard_tokens
@@ -39,39 +38,11 @@ class EagleConfig:
 
 
 class Eagle25(nnx.Module):
-    def __init__(
-        self,
-        config: EagleConfig,
-        *,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
-        fp8: str = "none",
-        attention_impl: str = "auto",
-        scan_layers: bool = True,
-        remat_policy: str = "none",
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, config: EagleConfig, *, compute: Compute, rngs: nnx.Rngs):
         self.config = config
-        common = dict(
-            dtype=dtype,
-            param_dtype=param_dtype,
-            fp8=fp8,
-            attention_impl=attention_impl,
-            scan_layers=scan_layers,
-            remat_policy=remat_policy,
-            rngs=rngs,
-        )
-        self.vision_model = SiglipVisionModel(config.vision, **common)
-        self.mlp1 = Dense(
-            config.vision.width,
-            config.llm.width,
-            axes=("embed", "mlp"),
-            fp8=fp8,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
-        self.language_model = Qwen3Model(config.llm, **common)
+        self.vision_model = SiglipVisionModel(config.vision, compute=compute, rngs=rngs)
+        self.mlp1 = Dense(config.vision.width, config.llm.width, axes=("embed", "mlp"), rngs=rngs, **compute.dense)
+        self.language_model = Qwen3Model(config.llm, compute=compute, rngs=rngs)
 
     def image_features(self, images):
         """images [N, H, W, 3] in [-1, 1] -> projected image tokens [N, P, D_llm]."""
@@ -95,8 +66,8 @@ class Eagle25(nnx.Module):
 class EagleBackbone(nnx.Module):
     """Upstream ``backbone``: holds ``eagle_model``; features = its final-normed hidden states."""
 
-    def __init__(self, config: EagleConfig, **kwargs):
-        self.eagle_model = Eagle25(config, **kwargs)
+    def __init__(self, config: EagleConfig, *, compute: Compute, rngs: nnx.Rngs):
+        self.eagle_model = Eagle25(config, compute=compute, rngs=rngs)
 
     def __call__(self, *args, **kwargs) -> jax.Array:
         return self.eagle_model(*args, **kwargs)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from flax import nnx
 from embodied_jax.config_registry import register
 from embodied_jax.nn.attention import KVCache, attention
 from embodied_jax.nn.block_sparse import SegmentBounds
+from embodied_jax.nn.compute import Compute
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import Embed
 from embodied_jax.nn.lora import LoRAConfig
@@ -56,12 +56,10 @@ class GemmaConfig:
             )
 
 
-def _norm(config: GemmaConfig, eps, dtype, param_dtype, rngs):
+def _norm(config: GemmaConfig, eps, compute: Compute, rngs):
     if config.use_adarms:
-        return AdaRMSNorm(
-            config.width, config.cond_dim or config.width, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
-    return RMSNorm(config.width, eps=eps, zero_centered=True, dtype=dtype, param_dtype=param_dtype)
+        return AdaRMSNorm(config.width, config.cond_dim or config.width, eps=eps, rngs=rngs, **compute.dtypes)
+    return RMSNorm(config.width, eps=eps, zero_centered=True, **compute.dtypes)
 
 
 def _apply_norm(norm, x, cond):
@@ -81,8 +79,8 @@ def _gated(residual, update, gate):
 
 
 class GemmaAttentionWeights(nnx.Module):
-    def __init__(self, config: GemmaConfig, *, dtype, param_dtype, fp8, lora, rngs):
-        common = dict(use_bias=False, fp8=fp8, dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=rngs)
+    def __init__(self, config: GemmaConfig, *, compute: Compute, lora, rngs):
+        common = dict(use_bias=False, lora=lora, rngs=rngs, **compute.dense)
         q_out = config.num_heads * config.head_dim
         kv_out = config.num_kv_heads * config.head_dim
         self.q_proj = Dense(config.width, q_out, axes=("embed", "heads"), **common)
@@ -94,22 +92,11 @@ class GemmaAttentionWeights(nnx.Module):
 class GemmaExpertBlock(nnx.Module):
     """One expert's weights in one layer."""
 
-    def __init__(self, config: GemmaConfig, *, eps, dtype, param_dtype, fp8, lora, rngs):
-        self.input_layernorm = _norm(config, eps, dtype, param_dtype, rngs)
-        self.self_attn = GemmaAttentionWeights(
-            config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora, rngs=rngs
-        )
-        self.post_attention_layernorm = _norm(config, eps, dtype, param_dtype, rngs)
-        self.mlp = GatedMLP(
-            config.width,
-            config.mlp_dim,
-            activation="gelu_tanh",
-            fp8=fp8,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            lora=lora,
-            rngs=rngs,
-        )
+    def __init__(self, config: GemmaConfig, *, eps, compute: Compute, lora, rngs):
+        self.input_layernorm = _norm(config, eps, compute, rngs)
+        self.self_attn = GemmaAttentionWeights(config, compute=compute, lora=lora, rngs=rngs)
+        self.post_attention_layernorm = _norm(config, eps, compute, rngs)
+        self.mlp = GatedMLP(config.width, config.mlp_dim, activation="gelu_tanh", lora=lora, rngs=rngs, **compute.dense)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,20 +120,13 @@ jax.tree_util.register_dataclass(
 
 
 class JointGemmaLayer(nnx.Module):
-    def __init__(
-        self, configs: Sequence[GemmaConfig], *, eps, rope_theta, attention_impl, dtype, param_dtype, fp8, lora, rngs
-    ):
+    def __init__(self, configs: Sequence[GemmaConfig], *, eps, rope_theta, compute: Compute, lora, rngs):
         self.num_heads = configs[0].num_heads
         self.num_kv_heads = configs[0].num_kv_heads
         self.head_dim = configs[0].head_dim
         self.rope_theta = rope_theta
-        self.attention_impl = attention_impl
-        self.experts = nnx.List(
-            [
-                GemmaExpertBlock(c, eps=eps, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora, rngs=rngs)
-                for c in configs
-            ]
-        )
+        self.attention_impl = compute.attention_impl
+        self.experts = nnx.List([GemmaExpertBlock(c, eps=eps, compute=compute, lora=lora, rngs=rngs) for c in configs])
 
     def __call__(self, xs, layout: TokenLayout, conds, cache_k=None, cache_v=None, cache_ids=None, *, return_kv=False):
         """xs: per-stream [B, T_i, D_i] or None. Returns (new xs, (k, v) of these tokens or None)."""
@@ -207,12 +187,7 @@ class MultiExpertGemma(nnx.Module):
         vocab_size: int = 0,
         eps: float = 1e-6,
         rope_theta: float = 10_000.0,
-        attention_impl: str = "auto",
-        scan_layers: bool = True,
-        remat_policy: str = "none",
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
-        fp8: str = "none",
+        compute: Compute,
         lora: LoRAConfig | None = None,
         rngs: nnx.Rngs,
     ):
@@ -226,25 +201,15 @@ class MultiExpertGemma(nnx.Module):
                         f"expert 0 has {getattr(first, field)}; joint attention needs them equal"
                     )
         self.configs = configs
-        self.scan_layers = scan_layers
-        self.remat_policy = remat_policy
-        self.dtype = dtype
-        self.embed_tokens = (
-            Embed(vocab_size, first.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs) if vocab_size else None
-        )
-        layer_kw = dict(
-            eps=eps,
-            rope_theta=rope_theta,
-            attention_impl=attention_impl,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            fp8=fp8,
-            lora=lora,
-        )
+        self.compute = compute
+        self.embed_tokens = Embed(vocab_size, first.width, rngs=rngs, **compute.dtypes) if vocab_size else None
         self.layers = build_stack(
-            lambda r: JointGemmaLayer(configs, rngs=r, **layer_kw), first.depth, scan=scan_layers, rngs=rngs
+            lambda r: JointGemmaLayer(configs, eps=eps, rope_theta=rope_theta, compute=compute, lora=lora, rngs=r),
+            first.depth,
+            scan=compute.scan_layers,
+            rngs=rngs,
         )
-        self.final_norms = nnx.List([_norm(c, eps, dtype, param_dtype, rngs) for c in configs])
+        self.final_norms = nnx.List([_norm(c, eps, compute, rngs) for c in configs])
 
     def embed(self, tokens):
         """Stream-0 token embeddings scaled by sqrt(width) (Gemma's input scaling, done here for text only)."""
@@ -278,10 +243,9 @@ class MultiExpertGemma(nnx.Module):
             cache_k,
             cache_v,
             cache_ids,
-            scan=self.scan_layers,
-            remat_policy=self.remat_policy,
             with_outputs=True,
             return_kv=return_kv,
+            **self.compute.stack,
         )
         outs = tuple(
             None if x is None else _apply_norm(norm, x, cond)[0]

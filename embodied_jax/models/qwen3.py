@@ -13,14 +13,13 @@ model built with fewer layers than the published one is the truncated LLM GR00T 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from embodied_jax.config_registry import register
 from embodied_jax.nn.attention import attention
+from embodied_jax.nn.compute import Compute
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import Embed
 from embodied_jax.nn.mlp import GatedMLP
@@ -45,16 +44,16 @@ class Qwen3Config:
 
 
 class Qwen3Attention(nnx.Module):
-    def __init__(self, config: Qwen3Config, *, dtype, param_dtype, fp8: str, impl: str, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3Config, *, compute: Compute, rngs: nnx.Rngs):
         self.config = config
-        self.impl = impl
+        self.impl = compute.attention_impl
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        common = dict(use_bias=False, fp8=fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        common = dict(use_bias=False, rngs=rngs, **compute.dense)
         self.q_proj = Dense(config.width, q_dim, axes=("embed", "heads"), **common)
         self.k_proj = Dense(config.width, kv_dim, axes=("embed", "kv_heads"), **common)
         self.v_proj = Dense(config.width, kv_dim, axes=("embed", "kv_heads"), **common)
         self.o_proj = Dense(q_dim, config.width, axes=("heads", "embed"), **common)
-        norm = dict(eps=config.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+        norm = dict(eps=config.eps, zero_centered=False, **compute.dtypes)
         self.q_norm = RMSNorm(config.head_dim, **norm)
         self.k_norm = RMSNorm(config.head_dim, **norm)
 
@@ -82,14 +81,12 @@ class Qwen3Attention(nnx.Module):
 
 
 class Qwen3DecoderLayer(nnx.Module):
-    def __init__(self, config: Qwen3Config, *, dtype, param_dtype, fp8: str, impl: str, rngs: nnx.Rngs):
-        norm = dict(eps=config.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+    def __init__(self, config: Qwen3Config, *, compute: Compute, rngs: nnx.Rngs):
+        norm = dict(eps=config.eps, zero_centered=False, **compute.dtypes)
         self.input_layernorm = RMSNorm(config.width, **norm)
-        self.self_attn = Qwen3Attention(config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, impl=impl, rngs=rngs)
+        self.self_attn = Qwen3Attention(config, compute=compute, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.width, **norm)
-        self.mlp = GatedMLP(
-            config.width, config.mlp_dim, activation="silu", fp8=fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
+        self.mlp = GatedMLP(config.width, config.mlp_dim, activation="silu", rngs=rngs, **compute.dense)
 
     def __call__(self, x, positions, q_segment_ids, kv_segment_ids, causal_blocks: bool = True, bounds=None):
         h = self.self_attn(self.input_layernorm(x), positions, q_segment_ids, kv_segment_ids, causal_blocks, bounds)
@@ -100,32 +97,17 @@ class Qwen3DecoderLayer(nnx.Module):
 class Qwen3Model(nnx.Module):
     """Token embedding, ``num_layers`` decoder layers and the final RMSNorm."""
 
-    def __init__(
-        self,
-        config: Qwen3Config,
-        *,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
-        fp8: str = "none",
-        attention_impl: str = "auto",
-        scan_layers: bool = True,
-        remat_policy: str = "none",
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, config: Qwen3Config, *, compute: Compute, rngs: nnx.Rngs):
         self.config = config
-        self.dtype = dtype
-        self.scan_layers = scan_layers
-        self.remat_policy = remat_policy
-        self.embed_tokens = Embed(config.vocab_size, config.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.compute = compute
+        self.embed_tokens = Embed(config.vocab_size, config.width, rngs=rngs, **compute.dtypes)
         self.layers = build_stack(
-            lambda r: Qwen3DecoderLayer(
-                config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, impl=attention_impl, rngs=r
-            ),
+            lambda r: Qwen3DecoderLayer(config, compute=compute, rngs=r),
             config.num_layers,
-            scan=scan_layers,
+            scan=compute.scan_layers,
             rngs=rngs,
         )
-        self.norm = RMSNorm(config.width, eps=config.eps, zero_centered=False, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(config.width, eps=config.eps, zero_centered=False, **compute.dtypes)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.embed_tokens(tokens)
@@ -148,9 +130,8 @@ class Qwen3Model(nnx.Module):
             positions,
             q_segment_ids,
             kv_segment_ids,
-            scan=self.scan_layers,
-            remat_policy=self.remat_policy,
             causal_blocks=causal_blocks,
             bounds=bounds,
+            **self.compute.stack,
         )
         return self.norm(x)

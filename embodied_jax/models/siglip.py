@@ -21,6 +21,7 @@ from flax import nnx
 
 from embodied_jax.config_registry import register
 from embodied_jax.nn.attention import attention
+from embodied_jax.nn.compute import Compute
 from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import LearnedPositions
 from embodied_jax.nn.lora import LoRAConfig
@@ -89,11 +90,13 @@ class PatchEmbedding(nnx.Module):
 
 
 class SiglipEmbeddings(nnx.Module):
-    def __init__(self, config: SiglipConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, config: SiglipConfig, *, compute: Compute, rngs: nnx.Rngs):
         self.patch_embedding = PatchEmbedding(
-            config.patch_size, config.num_channels, config.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            config.patch_size, config.num_channels, config.width, rngs=rngs, **compute.dtypes
         )
-        self.position_embedding = LearnedPositions(config.num_patches, config.width, param_dtype=param_dtype, rngs=rngs)
+        self.position_embedding = LearnedPositions(
+            config.num_patches, config.width, param_dtype=compute.weight_dtype, rngs=rngs
+        )
 
     def __call__(self, images):
         x = self.patch_embedding(images)
@@ -106,11 +109,11 @@ class SiglipEmbeddings(nnx.Module):
 
 
 class SiglipAttention(nnx.Module):
-    def __init__(self, config: SiglipConfig, *, dtype, param_dtype, fp8, lora, attention_impl, rngs):
+    def __init__(self, config: SiglipConfig, *, compute: Compute, lora: LoRAConfig | None, rngs: nnx.Rngs):
         self.num_heads = config.num_heads
         self.head_dim = config.width // config.num_heads
-        self.attention_impl = attention_impl
-        common = dict(use_bias=True, fp8=fp8, dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=rngs)
+        self.attention_impl = compute.attention_impl
+        common = dict(use_bias=True, lora=lora, rngs=rngs, **compute.dense)
         self.q_proj = Dense(config.width, config.width, axes=("embed", "heads"), **common)
         self.k_proj = Dense(config.width, config.width, axes=("embed", "heads"), **common)
         self.v_proj = Dense(config.width, config.width, axes=("embed", "heads"), **common)
@@ -118,31 +121,28 @@ class SiglipAttention(nnx.Module):
 
     def __call__(self, x):
         b, t, _ = x.shape
-        split = lambda y: y.reshape(b, t, self.num_heads, self.head_dim)  # noqa: E731
-        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        q, k, v = (
+            proj(x).reshape(b, t, self.num_heads, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         segments = jnp.ones((b, t), jnp.int32)  # every patch sees every patch of its image
         out = attention(q, k, v, q_segment_ids=segments, kv_segment_ids=segments, impl=self.attention_impl)
         return self.out_proj(out.reshape(b, t, -1))
 
 
 class SiglipEncoderLayer(nnx.Module):
-    def __init__(self, config: SiglipConfig, *, dtype, param_dtype, fp8, lora, attention_impl, rngs):
-        norm = dict(eps=config.layer_norm_eps, dtype=dtype, param_dtype=param_dtype)
+    def __init__(self, config: SiglipConfig, *, compute: Compute, lora: LoRAConfig | None, rngs: nnx.Rngs):
+        norm = dict(eps=config.layer_norm_eps, **compute.dtypes)
         self.layer_norm1 = LayerNorm(config.width, **norm)
-        self.self_attn = SiglipAttention(
-            config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, lora=lora, attention_impl=attention_impl, rngs=rngs
-        )
+        self.self_attn = SiglipAttention(config, compute=compute, lora=lora, rngs=rngs)
         self.layer_norm2 = LayerNorm(config.width, **norm)
         self.mlp = MLP(
             config.width,
             config.mlp_dim,
             activation=config.activation,
             use_bias=True,
-            fp8=fp8,
-            dtype=dtype,
-            param_dtype=param_dtype,
             lora=lora,
             rngs=rngs,
+            **compute.dense,
         )
 
     def __call__(self, x):
@@ -151,51 +151,28 @@ class SiglipEncoderLayer(nnx.Module):
 
 
 class SiglipEncoder(nnx.Module):
-    def __init__(self, config: SiglipConfig, *, scan_layers: bool, remat_policy: str, rngs: nnx.Rngs, **layer_kw):
-        self.scan_layers = scan_layers
-        self.remat_policy = remat_policy
+    def __init__(self, config: SiglipConfig, *, compute: Compute, lora: LoRAConfig | None, rngs: nnx.Rngs):
+        self.compute = compute
         self.layers = build_stack(
-            lambda r: SiglipEncoderLayer(config, rngs=r, **layer_kw), config.depth, scan=scan_layers, rngs=rngs
+            lambda r: SiglipEncoderLayer(config, compute=compute, lora=lora, rngs=r),
+            config.depth,
+            scan=compute.scan_layers,
+            rngs=rngs,
         )
 
     def __call__(self, x):
-        return run_stack(self.layers, x, scan=self.scan_layers, remat_policy=self.remat_policy)
+        return run_stack(self.layers, x, **self.compute.stack)
 
 
 class SiglipVisionModel(nnx.Module):
     """images [B, H, W, C] in [-1, 1] -> patch features [B, num_patches, width]."""
 
-    def __init__(
-        self,
-        config: SiglipConfig,
-        *,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
-        fp8: str = "none",
-        lora: LoRAConfig | None = None,
-        attention_impl: str = "auto",
-        scan_layers: bool = True,
-        remat_policy: str = "none",
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, config: SiglipConfig, *, compute: Compute, lora: LoRAConfig | None = None, rngs: nnx.Rngs):
         self.config = config
-        self.dtype = dtype
-        self.embeddings = SiglipEmbeddings(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.encoder = SiglipEncoder(
-            config,
-            scan_layers=scan_layers,
-            remat_policy=remat_policy,
-            rngs=rngs,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            fp8=fp8,
-            lora=lora,
-            attention_impl=attention_impl,
-        )
+        self.embeddings = SiglipEmbeddings(config, compute=compute, rngs=rngs)
+        self.encoder = SiglipEncoder(config, compute=compute, lora=lora, rngs=rngs)
         self.post_layernorm = (
-            LayerNorm(config.width, eps=config.layer_norm_eps, dtype=dtype, param_dtype=param_dtype)
-            if config.post_layernorm
-            else None
+            LayerNorm(config.width, eps=config.layer_norm_eps, **compute.dtypes) if config.post_layernorm else None
         )
 
     def __call__(self, images):

@@ -25,13 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from embodied_jax.config_registry import register
-from embodied_jax.models.dit import (
-    BlockSpec,
-    DiT,
-    DiTConfig,
-    SelfAttentionTransformer,
-    VLSelfAttentionConfig,
-)
+from embodied_jax.models.dit import DiT, DiTConfig, SelfAttentionTransformer, VLSelfAttentionConfig
+from embodied_jax.nn.compute import Compute
 from embodied_jax.nn.embeddings import LearnedPositions
 from embodied_jax.nn.norms import LayerNorm
 from embodied_jax.parallel.partition import gather_parameter, shard_tokens
@@ -128,12 +123,7 @@ class Gr00tActionHead(nnx.Module):
         action_dim: int,
         max_state_dim: int,
         backbone_width: int,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
-        fp8: str = "none",
-        attention_impl: str = "auto",
-        scan_layers: bool = True,
-        remat_policy: str = "none",
+        compute: Compute,
         lora: Any = None,
         rngs: nnx.Rngs,
     ):
@@ -155,11 +145,8 @@ class Gr00tActionHead(nnx.Module):
                 f"must equal the backbone width {backbone_width}"
             )
         self.config = config
-        self.dtype = dtype
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        stack_kw = dict(scan_layers=scan_layers, remat_policy=remat_policy, rngs=rngs)
-        dit_spec = BlockSpec(dtype, param_dtype, fp8, attention_impl, config.dit.dropout, lora)
-        self.model = DiT(config.dit, dit_spec, cross_attention_dim=backbone_width, **stack_kw)
+        kw = dict(rngs=rngs, **compute.dtypes)
+        self.model = DiT(config.dit, compute, cross_attention_dim=backbone_width, lora=lora, rngs=rngs)
         slots = config.max_num_embodiments
         self.state_encoder = CategorySpecificMLP(
             slots, max_state_dim, config.hidden_size, config.input_embedding_dim, **kw
@@ -167,17 +154,16 @@ class Gr00tActionHead(nnx.Module):
         self.action_encoder = MultiEmbodimentActionEncoder(slots, action_dim, config.input_embedding_dim, **kw)
         self.action_decoder = CategorySpecificMLP(slots, config.hidden_size, config.hidden_size, action_dim, **kw)
         self.future_tokens = LearnedPositions(
-            config.num_future_tokens, config.input_embedding_dim, param_dtype=param_dtype, rngs=rngs
+            config.num_future_tokens, config.input_embedding_dim, param_dtype=compute.weight_dtype, rngs=rngs
         )
         if config.use_vlln:
-            self.vlln = LayerNorm(backbone_width, eps=1e-5, dtype=dtype, param_dtype=param_dtype)
-            vl_spec = BlockSpec(dtype, param_dtype, fp8, attention_impl, vl.dropout)
-            self.vl_self_attention = SelfAttentionTransformer(vl, vl_spec, **stack_kw)
+            self.vlln = LayerNorm(backbone_width, eps=1e-5, **compute.dtypes)
+            self.vl_self_attention = SelfAttentionTransformer(vl, compute, rngs=rngs)
         else:
             self.vlln = self.vl_self_attention = None
         if config.add_pos_embed:
             self.position_embedding = LearnedPositions(
-                config.max_seq_len, config.input_embedding_dim, param_dtype=param_dtype, rngs=rngs
+                config.max_seq_len, config.input_embedding_dim, param_dtype=compute.weight_dtype, rngs=rngs
             )
         else:
             self.position_embedding = None

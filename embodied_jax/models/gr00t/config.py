@@ -20,6 +20,7 @@ from embodied_jax.models.gr00t.model import Gr00tPolicy
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn.block_sparse import BlockSparseTiling
+from embodied_jax.nn.compute import Compute
 from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
 # Eagle 2.5's towers as GR00T-N1.5 ships them (reference README: Eagle25VLConfig)
@@ -78,6 +79,7 @@ class Gr00tConfig(PolicyConfig):
     time_beta: tuple[float, float] = (1.5, 1.0)  # flow-matching time t = (time_scale - Beta(*time_beta)) / time_scale
     time_scale: float = 0.999
     mask_vl_padding: bool = True  # False: upstream's adapter and DiT attend padded VL tokens too
+    # the compute settings (dtype, param_dtype, fp8, attention_impl, scan_layers, remat_policy): ``compute``
     dtype: str = "bfloat16"  # compute dtype (every module)
     param_dtype: str = "float32"
     fp8: str = "none"
@@ -154,6 +156,11 @@ class Gr00tConfig(PolicyConfig):
         """The backbone as built: ``llm`` truncated to its first ``select_layer`` layers."""
         llm = dataclasses.replace(self.llm, num_layers=self.select_layer)
         return EagleConfig(vision=self.vision, llm=llm, image_token_id=self.image_token_id)
+
+    @property
+    def compute(self) -> Compute:
+        """What every module computes with, from the six fields ``dtype`` .. ``remat_policy`` (``nn/compute.py``)."""
+        return Compute.of(self)
 
     def make(self, rngs: nnx.Rngs) -> Gr00tPolicy:
         return Gr00tPolicy(self, rngs=rngs)

@@ -23,32 +23,20 @@ if TYPE_CHECKING:  # the config imports this module (its make() builds the polic
 PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
 
 
-def _dtype(name: str):
-    return jnp.dtype(name)
-
-
 class Gr00tPolicy(nnx.Module):
     def __init__(self, config: Gr00tConfig, *, rngs: nnx.Rngs):
         self.config = config
-        # one source for what every module shares: precision, attention kernel, layer stacking
-        common = dict(
-            dtype=_dtype(config.dtype),
-            param_dtype=_dtype(config.param_dtype),
-            fp8=config.fp8,
-            attention_impl=config.attention_impl,
-            scan_layers=config.scan_layers,
-            remat_policy=config.remat_policy,
-            rngs=rngs,
-        )
-        self.backbone = EagleBackbone(config.eagle_config(), **common)
+        compute = config.compute  # what every module shares: precision, attention kernel, layer stacking
+        self.backbone = EagleBackbone(config.eagle_config(), compute=compute, rngs=rngs)
         lora = LoRAConfig(config.lora_rank, config.lora_alpha) if config.lora_rank else None
         self.action_head = Gr00tActionHead(
             config.action_head,
             action_dim=config.action_dim,
             max_state_dim=config.max_state_dim,
             backbone_width=config.llm.width,
+            compute=compute,
             lora=lora,
-            **common,
+            rngs=rngs,
         )
 
     # ----- VL side

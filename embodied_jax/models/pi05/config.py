@@ -16,6 +16,7 @@ from embodied_jax.models.pi05.flops import training_flops as analytic_training_f
 from embodied_jax.models.pi05.model import Pi05Policy
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn.block_sparse import BlockSparseTiling
+from embodied_jax.nn.compute import Compute
 from embodied_jax.nn.lora import LORA_FREEZE_REGEX
 from embodied_jax.policy import DatasetFeatures, PolicyConfig
 
@@ -47,6 +48,7 @@ class Pi05Config(PolicyConfig):
     time_offset: float = 0.001
     min_period: float = 4e-3
     max_period: float = 4.0
+    # the compute settings (dtype, param_dtype, fp8, attention_impl, scan_layers, remat_policy): ``compute``
     dtype: str = "float32"  # compute dtype; "bfloat16" on GPU
     param_dtype: str = "float32"
     attention_impl: str = "auto"
@@ -72,6 +74,11 @@ class Pi05Config(PolicyConfig):
             raise ValueError("Pi05Config: flow_samples_per_obs must be >= 1")
         if not 0 < self.action_dim <= self.max_action_dim:
             raise ValueError(f"Pi05Config: action_dim {self.action_dim} must be in 1..max_action_dim")
+
+    @property
+    def compute(self) -> Compute:
+        """What every module computes with, from the six fields ``dtype`` .. ``remat_policy`` (``nn/compute.py``)."""
+        return Compute.of(self)
 
     def make(self, rngs: nnx.Rngs) -> Pi05Policy:
         return Pi05Policy(self, rngs=rngs)

@@ -44,42 +44,22 @@ class Pi05Policy(nnx.Module):
 
     def __init__(self, config: Pi05Config, *, rngs: nnx.Rngs):
         self.config = config
-        dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+        compute = config.compute
         lora = LoRAConfig(config.lora_rank, config.lora_alpha) if config.lora_rank else None
-        common = dict(dtype=dtype, param_dtype=param_dtype, fp8=config.fp8)
-        self.vision_tower = SiglipVisionModel(
-            config.vision,
-            attention_impl=config.attention_impl,
-            scan_layers=config.scan_layers,
-            remat_policy=config.remat_policy,
-            rngs=rngs,
-            **common,
-        )
+        common = compute.dense
+        self.vision_tower = SiglipVisionModel(config.vision, compute=compute, rngs=rngs)
         self.multi_modal_projector = Dense(
             config.vision.width, config.vlm.width, axes=("embed", "mlp"), rngs=rngs, **common
         )
         self.llm = MultiExpertGemma(
-            (config.vlm, config.expert),
-            vocab_size=config.vocab_size,
-            attention_impl=config.attention_impl,
-            scan_layers=config.scan_layers,
-            remat_policy=config.remat_policy,
-            lora=lora,
-            rngs=rngs,
-            **common,
+            (config.vlm, config.expert), vocab_size=config.vocab_size, compute=compute, lora=lora, rngs=rngs
         )
         width = config.expert.width
         self.action_in_proj = Dense(config.max_action_dim, width, axes=("channels", "embed"), rngs=rngs, **common)
         self.time_mlp_in = Dense(width, width, axes=("embed", "mlp"), rngs=rngs, **common)
         self.time_mlp_out = Dense(width, width, axes=("mlp", "embed"), rngs=rngs, **common)
-        self.action_out_proj = Dense(
-            width,
-            config.max_action_dim,
-            axes=("embed", "channels"),
-            rngs=rngs,
-            dtype=jnp.float32,
-            param_dtype=param_dtype,
-            fp8=config.fp8,
+        self.action_out_proj = Dense(  # the velocity in float32, whatever the compute dtype
+            width, config.max_action_dim, axes=("embed", "channels"), rngs=rngs, **dict(common, dtype=jnp.float32)
         )
 
     # ------------------------------------------------------------------ inputs
