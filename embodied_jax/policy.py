@@ -6,7 +6,8 @@ A family ships two classes (DESIGN.md, "Contracts"):
   synthetic batch of the exact training shapes (``synthetic_batch``: ``--dry-run``,
   benchmarks, tests) and the per-sample ``input_builder`` for real data; its optional
   hooks have defaults here, so callers never probe for them;
-- a ``Policy``: the ``nnx.Module`` it builds, with ``loss`` and ``sample_actions``.
+- a ``Policy``: the ``nnx.Module`` it builds, with ``loss``, ``sample_actions`` and
+  ``chain_log_prob`` (the likelihood of a Flow-SDE sample, for reinforcement learning).
 
 Before a run on a dataset the data source fits the config to the dataset's metadata
 (``fit_to_dataset`` with ``DatasetFeatures``: cameras, state and action widths), so the
@@ -57,7 +58,18 @@ class Policy(Protocol):
         executed, ``rtc.shift_prefix``) and ``prefix_weights`` [horizon] or [B, horizon]
         (``rtc.prefix_weights``) guide sampling so the chunk continues the actions still executing;
         steps of weight 1 are returned as the prefix. ``max_guidance`` is the paper's β. None: plain
-        sampling, unchanged."""
+        sampling, unchanged.
+
+        Reinforcement learning (``embodied_jax/rl``) calls ``sample_actions(observation, rng,
+        trace=True, sde=FlowSDE(...))``: a ``nn.flow.FlowTrace`` of the Flow-SDE sample (its
+        ``states`` [num_steps + 1, B, ...] and per-element ``log_density``), and ``chain_log_prob``."""
+        ...
+
+    def chain_log_prob(
+        self, observation: Batch, states: jax.Array, sde: Any, *, num_steps: int | None = None
+    ) -> jax.Array:
+        """The log-probability [B] of a sampled chain ``states`` (a ``FlowTrace``'s) under ``sde`` with
+        this model's weights: the sum of its stochastic steps' Gaussian log-densities (``nn/flow.py``)."""
         ...
 
 

@@ -17,7 +17,14 @@ from embodied_jax.train.config import ExperimentConfig
 
 DEFAULT = "demo"
 
-_MODULES = ("experiments.toy", "experiments.pi05", "experiments.gr00t", "experiments.demo", "experiments.metaworld")
+_MODULES = (
+    "experiments.toy",
+    "experiments.pi05",
+    "experiments.gr00t",
+    "experiments.demo",
+    "experiments.metaworld",
+    "experiments.rl",
+)
 _REGISTRY: dict[str, tuple[str, Callable[[], ExperimentConfig]]] = {}
 Runner = Callable[[ExperimentConfig], int]  # runs a config; returns the exit status
 _RUNNERS: dict[type, Runner] = {}

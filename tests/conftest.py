@@ -102,6 +102,7 @@ DEMO_RUN_MODULES = {
     "test_serve.py",
     "test_hostile.py",
     "test_serve_admission.py",
+    "test_rl_run.py",
 }
 
 

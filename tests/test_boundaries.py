@@ -35,6 +35,9 @@ ALLOWED = {
     "export": {"bundle", "loading", "train"},
     "serve": {"__init__", "bundle", "loading"},
     "evaluate": {"bundle", "loading", "policy_evaluation", "sim", "parallel", "train", "data"},
+    # reinforcement learning: a run (train, loading), its bundle's in-program processing, the
+    # simulator and the models' flow sampler; nothing imports rl but experiments
+    "rl": {"bundle", "loading", "policy_evaluation", "sim", "parallel", "train", "data", "nn"},
     "__init__": {"bundle", "loading"},
     "assets": set(),
     "cli": set(),
@@ -264,6 +267,8 @@ def test_every_experiment_model_conforms_to_the_policy_contract():
     assert {"demo", "demo_gr00t", "pi05", "pi05_finetune", "gr00t_n15", "gr00t_finetune", "toy"} <= set(configs)
     built = {}
     for name, config in configs.items():
+        if getattr(config, "rl", None) is not None and config.model is None:
+            continue  # RL of a run (``--init-from RUN``): the model is the run's
         assert isinstance(config.model, PolicyConfig), name
         assert isinstance(config.data, DataSource), name
         assert config.evaluation is None or isinstance(config.evaluation, Evaluation), name

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from embodied_jax.config_registry import register
-from embodied_jax.nn.traced import module_fori_loop
+from embodied_jax.nn import flow
 from embodied_jax.policy import PolicyConfig
 
 
@@ -74,19 +74,32 @@ class ToyFlowPolicy(nnx.Module):
         loss = jnp.mean((v - (noise - actions)) ** 2)
         return loss, {"examples": jnp.asarray(actions.shape[0], jnp.int32)}
 
-    def sample_actions(self, observation, rng, *, num_steps=None, noise=None):
+    def _flow(self, observation, num_steps):
         c = self.config
-        num_steps = num_steps or c.num_steps
-        state = observation["state"]
-        if noise is None:
-            noise = jax.random.normal(rng, (state.shape[0], c.horizon, c.action_dim))
-        dt = 1.0 / num_steps
+        num_steps = int(num_steps or c.num_steps)
+        state = jnp.asarray(observation["state"], jnp.float32)
+        schedule = flow.FlowSchedule(
+            times=1.0 - jnp.arange(num_steps, dtype=jnp.float32) / num_steps, dt=-1.0 / num_steps, clean_time=0.0
+        )
 
-        def euler(i, policy, x):
-            t = jnp.full((state.shape[0],), 1.0 - i * dt)
-            return x - dt * policy.velocity(state, x, t)
+        def velocity(policy, x, i):
+            return policy.velocity(state, x, jnp.full((state.shape[0],), schedule.times[i]))
 
-        return module_fori_loop(self, num_steps, euler, noise)
+        return velocity, schedule, (state.shape[0], c.horizon, c.action_dim)
+
+    def sample_actions(self, observation, rng, *, num_steps=None, noise=None, trace=False, sde=None):
+        """Euler from the noise at t = 1 to the chunk at t = 0 (``nn/flow.py``; ``trace``, ``sde`` as there)."""
+        velocity, schedule, shape = self._flow(observation, num_steps)
+        k_sde = None
+        if sde is not None:
+            rng, k_sde = jax.random.split(rng)
+        x = jax.random.normal(rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
+        return flow.sample(self, velocity, x, schedule, trace=trace, sde=sde, rng=k_sde)
+
+    def chain_log_prob(self, observation, states, sde, *, num_steps=None):
+        """log-probability [B] of a sampled chain ``states`` [num_steps + 1, B, horizon, action_dim] under ``sde``."""
+        velocity, schedule, _ = self._flow(observation, num_steps)
+        return flow.chunk_log_prob(flow.transition_log_density(self, velocity, jnp.asarray(states), schedule, sde))
 
 
 @register

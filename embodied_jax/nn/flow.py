@@ -14,6 +14,18 @@ inside the loop (``nn/traced.py``).
 - ``trace=True``: also every step's state and velocity (``FlowTrace``), what a stochastic or
   likelihood-based use of the sampler (reinforcement learning) needs; the final chunk is the
   same as without it up to rounding (the scanned step is compiled apart from the looped one).
+- ``sde=FlowSDE(...)`` (with ``trace``): Flow-SDE (πRL): the chosen steps become Gaussian
+  transitions whose marginals are the ODE's, so a chunk has a likelihood, the sum of those
+  steps' log-densities (``step_log_density``; ``transition_log_density`` recomputes it for a
+  stored chain under other weights: the PPO ratio).
+
+Flow-SDE, written in the noise level ``s`` = |t - clean_time| (s = 1 at the noise, 0 at the
+data), the data's direction ``u = dx/ds`` (= v where the clean time is 0, -v where it is 1)
+and ``x_s = (1 - s) x_0 + s ε``: the score is ``-(x + (1 - s) u) / s``, and with a diffusion
+``σ_s = a·sqrt(s / (1 - s))`` (``a`` = ``noise_level``) the step from s to s - h is Gaussian
+with mean ``x + dt·v - h·a²/(2(1 - s))·(x + (1 - s) u)`` and standard deviation
+``σ_s·sqrt(h)``; ``1 - s`` is floored at ``h`` so the first step (s = 1) stays finite, its
+standard deviation then being ``a``. Deterministic steps keep the Euler update.
 """
 
 from __future__ import annotations
@@ -51,14 +63,91 @@ class Guidance(NamedTuple):
     max_guidance: float = 5.0
 
 
+class FlowSDE(NamedTuple):
+    """Which Euler steps become stochastic and how much: ``noise_level`` is ``a`` of the module
+    docstring; ``stochastic_steps``: step indices (None: every step)."""
+
+    noise_level: float = 0.5
+    stochastic_steps: tuple[int, ...] | None = None
+
+    def mask(self, num_steps: int) -> jax.Array:
+        """float32 [num_steps]: 1 where the step is stochastic."""
+        if self.stochastic_steps is None:
+            return jnp.ones((num_steps,), jnp.float32)
+        bad = [i for i in self.stochastic_steps if not 0 <= i < num_steps]
+        if bad:
+            raise ValueError(f"FlowSDE.stochastic_steps {bad} outside 0..{num_steps - 1}")
+        return jnp.zeros((num_steps,), jnp.float32).at[jnp.asarray(self.stochastic_steps, jnp.int32)].set(1.0)
+
+
 class FlowTrace(NamedTuple):
     """``actions``: the final chunk; ``states`` [num_steps + 1, ...]: the chunk before each step and
     after the last (``states[0]`` is the noise, ``states[-1]`` the actions before inpainting);
-    ``velocities`` [num_steps, ...]: the (guided) velocity each step took."""
+    ``velocities`` [num_steps, ...]: the (guided) velocity each step took; ``log_density``
+    [num_steps, ...] (with ``sde``): each element's Gaussian log-density of its step (0 where the
+    step is deterministic)."""
 
     actions: jax.Array
     states: jax.Array
     velocities: jax.Array
+    log_density: jax.Array | None = None
+
+
+def _sde_step(schedule: FlowSchedule, sde: FlowSDE, i, x, v):
+    """(mean, std) of step ``i`` from ``x`` with velocity ``v`` (std 0 where deterministic)."""
+    h = jnp.abs(jnp.asarray(schedule.dt, jnp.float32))
+    s = jnp.abs(schedule.times[i] - schedule.clean_time)
+    u = v if schedule.clean_time == 0.0 else -v
+    one_minus_s = jnp.maximum(1.0 - s, h)
+    on = sde.mask(schedule.num_steps)[i]
+    a2 = sde.noise_level**2 * on
+    mean = x + schedule.dt * v - h * a2 / (2.0 * one_minus_s) * (x + (1.0 - s) * u)
+    std = jnp.sqrt(a2 * s / one_minus_s * h)
+    return mean, std
+
+
+def step_log_density(schedule: FlowSchedule, sde: FlowSDE, states: jax.Array, velocities: jax.Array) -> jax.Array:
+    """Elementwise Gaussian log-density [num_steps, ...] of ``states[i + 1]`` given ``states[i]`` and
+    the velocity taken there (0 for deterministic steps)."""
+    steps = jnp.arange(schedule.num_steps)
+    return _log_density_at(schedule, sde, steps, states[:-1], velocities, states[1:])
+
+
+def _log_density_at(schedule, sde, steps, before, velocities, after):
+    def one(i, x, v, y):
+        mean, std = _sde_step(schedule, sde, i, x, v)
+        safe = jnp.where(std > 0, std, 1.0)
+        logp = -0.5 * jnp.square((y - mean) / safe) - jnp.log(safe) - 0.5 * jnp.log(2.0 * jnp.pi)
+        return jnp.where(std > 0, logp, 0.0)
+
+    return jax.vmap(one)(steps, before, velocities, after)
+
+
+def chunk_log_prob(log_density: jax.Array) -> jax.Array:
+    """A chunk's log-probability [B]: ``log_density`` [num_steps, B, ...] summed over all but the batch."""
+    return log_density.reshape(log_density.shape[0], log_density.shape[1], -1).sum(axis=(0, 2))
+
+
+def transition_log_density(
+    module: Any, velocity: Velocity, states: jax.Array, schedule: FlowSchedule, sde: FlowSDE
+) -> jax.Array:
+    """``step_log_density`` of a stored chain ``states`` [num_steps + 1, ...] with the velocities this
+    ``module`` gives at its states (the likelihood of another policy's sample under this one). Only
+    the stochastic steps are evaluated (the others' densities are 0)."""
+    if sde.stochastic_steps is None:
+        steps = tuple(range(schedule.num_steps))
+    else:
+        sde.mask(schedule.num_steps)  # checks the indices
+        steps = tuple(sorted(set(sde.stochastic_steps)))
+    index = jnp.asarray(steps, jnp.int32)
+
+    def at(j, module, carry):
+        i = index[j]
+        return carry, velocity(module, states[i], i)
+
+    _, velocities = module_scan(module, len(steps), at, jnp.zeros((), jnp.float32))
+    density = _log_density_at(schedule, sde, index, states[index], velocities, states[index + 1])
+    return jnp.zeros((schedule.num_steps, *states.shape[1:]), density.dtype).at[index].set(density)
 
 
 def sample(
@@ -69,8 +158,13 @@ def sample(
     *,
     guidance: Guidance | None = None,
     trace: bool = False,
+    sde: FlowSDE | None = None,
+    rng: jax.Array | None = None,
 ) -> jax.Array | FlowTrace:
-    """Integrate from the noise ``x`` over ``schedule``; the chunk, or a ``FlowTrace`` with ``trace``."""
+    """Integrate from the noise ``x`` over ``schedule``; the chunk, or a ``FlowTrace`` with ``trace``.
+    ``sde`` (with ``trace`` and the key ``rng`` of its noise): stochastic steps (module docstring)."""
+    if sde is not None and (not trace or rng is None or guidance is not None):
+        raise ValueError("flow.sample: sde needs trace=True and an rng, and does not take guidance")
 
     def step_velocity(i, module, x):
         if guidance is None:
@@ -97,8 +191,12 @@ def sample(
 
     def traced_euler(i, module, x):
         v = step_velocity(i, module, x)
-        return x + schedule.dt * v, (x, v)
+        if sde is None:
+            return x + schedule.dt * v, (x, v)
+        mean, std = _sde_step(schedule, sde, i, x, v)
+        return mean + std * jax.random.normal(jax.random.fold_in(rng, i), x.shape, x.dtype), (x, v)
 
     last, (states, velocities) = module_scan(module, schedule.num_steps, traced_euler, x)
     states = jnp.concatenate([states, last[None]], axis=0)
-    return FlowTrace(finish(last), states, velocities)
+    log_density = None if sde is None else step_log_density(schedule, sde, states, velocities)
+    return FlowTrace(finish(last), states, velocities, log_density)

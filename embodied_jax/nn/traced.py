@@ -30,9 +30,9 @@ from flax import nnx
 Carry = TypeVar("Carry")
 
 
-def merge_in_trace(graphdef: nnx.GraphDef, state: Any) -> Any:
+def merge_in_trace(graphdef: nnx.GraphDef, state: Any, *states: Any) -> Any:
     """``nnx.merge`` with new ``Variable`` objects owned by the current trace (same arrays)."""
-    return nnx.merge(graphdef, state, copy=True)
+    return nnx.merge(graphdef, state, *states, copy=True)
 
 
 def module_fori_loop(

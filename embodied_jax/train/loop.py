@@ -51,7 +51,9 @@ class Preempted(Exception):
         self.step = step
 
 
-class _SignalFlag:
+class SignalFlag:
+    """``with SignalFlag() as stop:`` records SIGTERM/SIGINT in ``stop.signum`` (the run ends at its next boundary)."""
+
     def __init__(self):
         self.signum: int | None = None
         self._previous = {}
@@ -276,7 +278,7 @@ def train(config: ExperimentConfig) -> RunResult:
             elif step in eval_rows:
                 writer.write(step, eval_rows.pop(step))
 
-        with _SignalFlag() as stop, rt.context():
+        with SignalFlag() as stop, rt.context():
             try:
                 for step in range(first, t.steps):
                     if lock is not None:

@@ -144,30 +144,11 @@ class Gr00tPolicy(nnx.Module):
         )
         return loss, {"loss": loss, "tokens": tokens, "examples": examples}
 
-    def sample_actions(
-        self,
-        observation,
-        rng,
-        *,
-        num_steps=None,
-        noise=None,
-        prefix_actions=None,
-        prefix_weights=None,
-        max_guidance=5.0,
-        trace=False,
-    ):
-        """Actions [B, horizon, action_dim]: Euler from t=0 (noise) to t=1 (actions) (``nn/flow.py``).
-
-        Real-time chunking (``nn/rtc.py``): ``prefix_actions`` [B, horizon, action_dim] (normalised, usually the
-        previous chunk shifted by the executed steps) guide the chunk towards them with ``prefix_weights``
-        [horizon] or [B, horizon] and maximum guidance weight ``max_guidance``, through the clean estimate
-        x_t + (1 - t)·v; steps of weight 1 are returned as the prefix. None: plain sampling. ``trace``: a
-        ``flow.FlowTrace`` with every step's state and velocity."""
+    def _flow(self, observation, num_steps):
+        """The flow problem of one observation: (velocity, schedule, chunk shape [B, horizon, action_dim])."""
         config = self.config
         k = int(num_steps or config.num_inference_steps)
         b = jnp.asarray(observation["embodiment_id"]).shape[0]
-        shape = (b, config.action_horizon, config.action_dim)
-        x = jax.random.normal(rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
         vl, layout = self.vl_features(observation)
         slots = jnp.asarray(observation["embodiment_id"], jnp.int32)
         state_features = self.action_head.encode_state(jnp.asarray(observation["state"], jnp.float32), slots)
@@ -179,15 +160,51 @@ class Gr00tPolicy(nnx.Module):
         def velocity(head, x, i):  # head: the action head, rebuilt inside the loop (nn/traced.py)
             return _dit_velocity(head, state_features, x, jnp.full((b,), buckets[i]), slots, vl, layout)
 
+        return velocity, schedule, (b, config.action_horizon, config.action_dim)
+
+    def sample_actions(
+        self,
+        observation,
+        rng,
+        *,
+        num_steps=None,
+        noise=None,
+        prefix_actions=None,
+        prefix_weights=None,
+        max_guidance=5.0,
+        trace=False,
+        sde=None,
+    ):
+        """Actions [B, horizon, action_dim]: Euler from t=0 (noise) to t=1 (actions) (``nn/flow.py``).
+
+        Real-time chunking (``nn/rtc.py``): ``prefix_actions`` [B, horizon, action_dim] (normalised, usually the
+        previous chunk shifted by the executed steps) guide the chunk towards them with ``prefix_weights``
+        [horizon] or [B, horizon] and maximum guidance weight ``max_guidance``, through the clean estimate
+        x_t + (1 - t)·v; steps of weight 1 are returned as the prefix. None: plain sampling. ``trace``: a
+        ``flow.FlowTrace`` with every step's state and velocity. ``sde`` (``flow.FlowSDE``, with ``trace``):
+        Flow-SDE sampling with each stochastic step's log-density (``chain_log_prob``)."""
+        config = self.config
+        velocity, schedule, shape = self._flow(observation, num_steps)
+        k_sde = None
+        if sde is not None:
+            rng, k_sde = jax.random.split(rng)
+        x = jax.random.normal(rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
         guidance = None
         if prefix_actions is None:
             rtc.check_unguided(prefix_weights)
         else:
             y, w = rtc.guidance_inputs(
-                prefix_actions, prefix_weights, batch=b, horizon=config.action_horizon, width=config.action_dim
+                prefix_actions, prefix_weights, batch=shape[0], horizon=config.action_horizon, width=config.action_dim
             )
             guidance = flow.Guidance(y, w, max_guidance)
-        return flow.sample(self.action_head, velocity, x, schedule, guidance=guidance, trace=trace)
+        return flow.sample(self.action_head, velocity, x, schedule, guidance=guidance, trace=trace, sde=sde, rng=k_sde)
+
+    def chain_log_prob(self, observation, states, sde, *, num_steps=None):
+        """log-probability [B] under ``sde`` of a sampled chain ``states`` [num_steps + 1, B, horizon,
+        action_dim] (a ``FlowTrace``'s): the sum of its stochastic steps' Gaussian densities."""
+        velocity, schedule, _ = self._flow(observation, num_steps)
+        states = jnp.asarray(states, jnp.float32)
+        return flow.chunk_log_prob(flow.transition_log_density(self.action_head, velocity, states, schedule, sde))
 
 
 def _dit_velocity(head, state_features, x, buckets, slots, vl, layout, key=None):

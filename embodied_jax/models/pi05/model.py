@@ -282,6 +282,28 @@ class Pi05Policy(nnx.Module):
         loss, _, _, metrics = self.loss_terms(batch, rng, noise=noise, time=time)
         return loss, metrics
 
+    def _flow(self, observation, num_steps):
+        """The flow problem of one observation: (velocity, schedule, chunk shape [B, 1, horizon, max_action_dim])."""
+        config = self.config
+        num_steps = int(num_steps or config.num_inference_steps)
+        inputs = self._inputs({k: v for k, v in observation.items() if k != "actions"})
+        b = inputs.present.shape[0]
+        shape = (b, 1, config.action_horizon, config.max_action_dim)
+        cache = self.prefix_cache(inputs)
+        dt = -1.0 / num_steps
+        # Step times as upstream computes them: in float64, then rounded once to float32.
+        schedule = flow.FlowSchedule(
+            times=jnp.asarray((1.0 + np.arange(num_steps) * dt).astype(np.float32)), dt=dt, clean_time=0.0
+        )
+
+        def velocity(policy, x, i):  # policy: this module, rebuilt inside the loop (nn/traced.py)
+            return policy.suffix_velocity(cache, x, jnp.full((b, 1), schedule.times[i], jnp.float32))
+
+        return velocity, schedule, shape
+
+    def _real_dims(self, x):
+        return (jnp.arange(x.shape[-1]) < self.config.action_dim).astype(x.dtype)
+
     def sample_actions(
         self,
         observation,
@@ -293,6 +315,7 @@ class Pi05Policy(nnx.Module):
         prefix_weights=None,
         max_guidance=5.0,
         trace=False,
+        sde=None,
     ):
         """Actions [B, horizon, action_dim] for an unpacked observation: Euler from t=1 to t=0 (``nn/flow.py``).
 
@@ -302,24 +325,16 @@ class Pi05Policy(nnx.Module):
         ``max_guidance``, through the clean estimate x_t - t·v; dims from ``action_dim`` on are not guided,
         steps of weight 1 are returned as the prefix. None: plain sampling. ``trace``: a ``flow.FlowTrace``
         whose ``actions`` are these and whose states and velocities are [num_steps (+1), B, horizon,
-        max_action_dim]."""
+        max_action_dim]. ``sde`` (``flow.FlowSDE``, with ``trace``): Flow-SDE sampling; the trace's
+        ``log_density`` counts the ``action_dim`` real dims only (``chain_log_prob``)."""
         config = self.config
-        num_steps = int(num_steps or config.num_inference_steps)
-        inputs = self._inputs({k: v for k, v in observation.items() if k != "actions"})
-        b = inputs.present.shape[0]
-        shape = (b, 1, config.action_horizon, config.max_action_dim)
+        velocity, schedule, shape = self._flow(observation, num_steps)
+        b = shape[0]
+        k_sde = None
+        if sde is not None:
+            rng, k_sde = jax.random.split(rng)
         x = jax.random.normal(rng, shape, jnp.float32) if noise is None else jnp.asarray(noise, jnp.float32)
         x = x.reshape(shape)
-        cache = self.prefix_cache(inputs)
-        dt = -1.0 / num_steps
-        # Step times as upstream computes them: in float64, then rounded once to float32.
-        schedule = flow.FlowSchedule(
-            times=jnp.asarray((1.0 + np.arange(num_steps) * dt).astype(np.float32)), dt=dt, clean_time=0.0
-        )
-
-        def velocity(policy, x, i):  # policy: this module, rebuilt inside the loop (nn/traced.py)
-            return policy.suffix_velocity(cache, x, jnp.full((b, 1), schedule.times[i], jnp.float32))
-
         guidance = None
         if prefix_actions is None:
             rtc.check_unguided(prefix_weights)
@@ -333,8 +348,17 @@ class Pi05Policy(nnx.Module):
                 real_width=config.action_dim,
             )
             guidance = flow.Guidance(y.reshape(shape), w.reshape(shape), max_guidance)
-        out = flow.sample(self, velocity, x, schedule, guidance=guidance, trace=trace)
+        out = flow.sample(self, velocity, x, schedule, guidance=guidance, trace=trace, sde=sde, rng=k_sde)
         if trace:
             actions = out.actions[:, 0, :, : config.action_dim]
-            return flow.FlowTrace(actions, out.states[:, :, 0], out.velocities[:, :, 0])
+            density = None if out.log_density is None else out.log_density[:, :, 0] * self._real_dims(x)
+            return flow.FlowTrace(actions, out.states[:, :, 0], out.velocities[:, :, 0], density)
         return out[:, 0, :, : config.action_dim]
+
+    def chain_log_prob(self, observation, states, sde, *, num_steps=None):
+        """log-probability [B] under ``sde`` of a sampled chain ``states`` [num_steps + 1, B, horizon,
+        max_action_dim] (a ``FlowTrace``'s): its stochastic steps' densities over the real dims."""
+        velocity, schedule, shape = self._flow(observation, num_steps)
+        states = jnp.asarray(states, jnp.float32).reshape(states.shape[0], *shape)
+        density = flow.transition_log_density(self, velocity, states, schedule, sde)[:, :, 0]
+        return flow.chunk_log_prob(density * self._real_dims(density))

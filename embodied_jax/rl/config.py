@@ -1,0 +1,62 @@
+"""The settings of a reinforcement-learning run (pure data; ``rl/loop.py`` runs them).
+
+An RL run starts from a behaviour-cloned run of this project (``ExperimentConfig.init_from``:
+its workdir; model, data statistics and evaluation settings are the run's) or, without one,
+from the experiment's own model trained from scratch on ``task="toy_reach"`` (``rl/toy.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from embodied_jax.config_registry import register
+from embodied_jax.rl.ppo import PPOSettings
+from embodied_jax.train.config import ExperimentConfig
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    task: str = "reach"  # a built-in MJX task (sim/tasks.py) or "toy_reach"
+    num_envs: int = 64  # environments per rollout (episodes per iteration)
+    execute_steps: int | None = None  # k actions executed per chunk (None: the run's evaluation's)
+    iterations: int = 50
+    minutes: float | None = None  # stop after this much wall time (checkpointed), whichever first
+    # Flow-SDE (nn/flow.py): the noise level a and which denoising steps are stochastic (None: all).
+    noise_level: float = 1.0
+    stochastic_steps: tuple[int, ...] | None = (0,)
+    num_inference_steps: int | None = None  # the sampler's steps (None: the model's own)
+    gamma: float = 0.99  # per decision
+    lam: float = 0.95
+    advantage: str = "gae"  # "gae" (critic) or "grpo" (group-normalised episode success)
+    groups: int = 8  # GRPO: reset-key groups (num_envs / groups episodes share each initial state)
+    shaping: float = 0.0  # weight of the task's dense reward next to the success reward of 1
+    ppo: PPOSettings = PPOSettings()
+    policy_lr: float = 1e-5
+    critic_lr: float = 1e-3
+    max_grad_norm: float = 1.0
+    critic_width: int = 128
+    checkpoint_every: int = 5  # iterations (and at the end, and on SIGTERM)
+    keep_last: int = 3
+    eval_every: int = 0  # iterations between held-out evaluations (0: only at the end)
+    eval_envs: int = 128
+    eval_seed: int = 1_000_003  # held-out reset seeds: the rollouts draw theirs from ``seed``
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.advantage not in ("gae", "grpo"):
+            raise ValueError(f"RLConfig.advantage must be 'gae' or 'grpo', got {self.advantage!r}")
+        if self.advantage == "grpo" and (self.groups < 1 or self.num_envs % self.groups):
+            raise ValueError(f"RLConfig.num_envs={self.num_envs} must be a multiple of groups={self.groups}")
+        if self.noise_level <= 0:
+            raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLExperimentConfig(ExperimentConfig):
+    """``python -m experiments.launch rl_<task> --init-from RUN``: the RL settings in ``rl``; with
+    ``init_from`` the model, data and evaluation are the run's and this config's are unused. Not a
+    saved config of its own (its checkpoints save the run's config; ``rl_config.json`` the ``rl``
+    settings), as the other experiments' subclasses are saved as ``ExperimentConfig``."""
+
+    rl: RLConfig = RLConfig()

@@ -1,0 +1,26 @@
+"""The value network: a small MLP of the robot's state and the episode's progress.
+
+A separate critic, not a head on the VLM's features: on the built-in tasks the robot state
+and the decision's place in the episode carry what the value depends on, and the critic then
+costs nothing next to the policy's forward pass (``docs/rl.md``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Critic(nnx.Module):
+    def __init__(self, state_dim: int, width: int = 128, depth: int = 2, *, rngs: nnx.Rngs):
+        dims = [state_dim + 1, *[width] * depth]
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:], strict=True)])
+        self.out = nnx.Linear(dims[-1], 1, kernel_init=nnx.initializers.zeros, rngs=rngs)
+
+    def __call__(self, state: jax.Array, progress: jax.Array) -> jax.Array:
+        """Values [B] of robot states [B, S] at ``progress`` [B] (decisions taken / per episode)."""
+        h = jnp.concatenate([jnp.asarray(state, jnp.float32), progress[:, None].astype(jnp.float32)], axis=-1)
+        for layer in self.layers:
+            h = jnp.tanh(layer(h))
+        return self.out(h)[:, 0]

@@ -1,0 +1,278 @@
+"""The RL loop: rollout, advantages, PPO update, metrics, evaluation and checkpoints, resumable.
+
+One iteration: a jitted rollout of ``num_envs`` episodes with the policy in the loop
+(``rollout.py``), advantages (GAE with the critic, or GRPO's group-normalised success), the
+start policy's log-probability of every sampled chain (the KL to the start), and one jitted
+PPO update (``ppo.py``). Each iteration writes a ``metrics.jsonl`` / TensorBoard row: success
+rate and return of the rollout, value loss, KL to the start, clip fraction, approximate
+entropy (minus the mean log-probability of the chains), environment steps and decisions per
+second, rollout and update seconds. Held-out evaluation (``eval_every`` and at the end) runs the
+policy as it is deployed (the deterministic sampler, the bundle's own evaluation path) on reset
+seeds the rollouts never use.
+
+The run holds ``<workdir>/run.lock``; SIGTERM/SIGINT end it after the current iteration with a
+checkpoint (``Preempted``); a resumed run continues from the latest checkpoint and repeats the
+uninterrupted run's metrics. A non-finite update is skipped (the weights before it are kept);
+three in a row end the run with ``NonFiniteLossError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from embodied_jax.rl import advantages, ppo
+from embodied_jax.rl import rollout as rollout_lib
+from embodied_jax.rl.checkpoint import RLCheckpointer
+from embodied_jax.rl.config import RLExperimentConfig
+from embodied_jax.rl.critic import Critic
+from embodied_jax.rl.start import Start, start
+from embodied_jax.train.loop import NonFiniteLossError, Preempted, SignalFlag
+from embodied_jax.train.metrics import MetricsWriter
+from embodied_jax.train.run_lock import RunLock
+
+log = logging.getLogger(__name__)
+MAX_SKIPS = 3
+KL_SAMPLE = 256  # decisions scored by the start policy per iteration when the KL is only reported
+
+
+@dataclasses.dataclass
+class RLResult:
+    workdir: pathlib.Path
+    iterations: int  # completed
+    history: list[dict[str, float]]
+    evaluation: dict[str, Any] | None  # the final held-out evaluation (runs only)
+
+
+def critic_functions(state_dim: int, width: int, seed: int):
+    """``(critic(params, state, progress), params)``."""
+    graphdef, params = nnx.split(Critic(state_dim, width, rngs=nnx.Rngs(seed)))
+    return (lambda p, s, prog: nnx.merge(graphdef, p, copy=True)(s, prog)), params
+
+
+def chain_scores(agent, params, batch: dict[str, Any], chunk: int) -> jax.Array:
+    """log-probabilities [N] of the flat batch's chains under ``params``, ``chunk`` rows at a time."""
+    rows = {"model_observation": batch["model_observation"], "chain": batch["chain"]}
+    return jax.lax.map(
+        lambda r: agent.log_prob(params, jax.tree.map(lambda x: x[None], r["model_observation"]), r["chain"][None])[0],
+        rows,
+        batch_size=chunk,
+    )
+
+
+def _mesh(devices: list):
+    if len(devices) == 1:
+        return None
+    return jax.sharding.Mesh(np.asarray(devices), ("data",))
+
+
+class HeldOutEvaluation:
+    """The policy as deployed (``SimEvaluation``'s evaluator: the bundle's act, ODE sampling) on the
+    held-out seed, compiled once and called with each iteration's weights."""
+
+    def __init__(self, st: Start, config: RLExperimentConfig, execute_steps: int):
+        from embodied_jax.parallel.mesh import MeshConfig, make_mesh
+
+        rl = config.rl
+        self.st = st
+        evaluation = dataclasses.replace(
+            st.base.evaluation, num_envs=rl.eval_envs, seed=rl.eval_seed, execute_steps=execute_steps
+        )
+        self.seed = rl.eval_seed
+        with jax.set_mesh(make_mesh(MeshConfig(data=-1), jax.local_devices()[:1])):
+            self.evaluator, _ = evaluation.evaluator(st.bundle_with(st.params))
+
+    def __call__(self, params, out_dir: pathlib.Path | None = None) -> dict[str, Any]:
+        model_state = nnx.state(self.st.bundle_with(params).model)
+        model_state = jax.device_put(model_state, jax.local_devices()[0])
+        return self.evaluator(jax.random.key(self.seed), params=model_state, out_dir=out_dir)
+
+
+def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
+    rl = config.rl
+    workdir = pathlib.Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    devices = list(devices or jax.local_devices())
+    with contextlib.ExitStack() as cleanup:
+        lock = cleanup.enter_context(RunLock(workdir))
+        stop = cleanup.enter_context(SignalFlag())
+        st = start(config, devices)
+        k = st.execute_steps
+        spec = rollout_lib.RolloutSpec(
+            num_envs=rl.num_envs,
+            execute_steps=k,
+            decisions=rollout_lib.decisions_per_episode(st.env.episode_limit, k),
+            shaping=rl.shaping,
+            groups=rl.groups if rl.advantage == "grpo" else None,
+        )
+        state_dim = int(
+            st.env.observe(jax.vmap(st.env.reset)(jax.random.split(jax.random.key(0), 1)))["state"].shape[-1]
+        )
+        critic, critic_params = critic_functions(state_dim, rl.critic_width, rl.seed)
+        policy_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.policy_lr))
+        critic_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.critic_lr))
+        params = st.params
+        if len(devices) == 1:  # the updates' outputs live on the device uncommitted to a mesh: no retrace
+            params, critic_params = jax.device_put((params, critic_params), devices[0])
+        opt_states = (policy_opt.init(params), critic_opt.init(critic_params))
+        with st.rt.context():
+            rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec, mesh=_mesh(devices))
+        update = ppo.make_update(st.agent, critic, rl.ppo, policy_opt, critic_opt)
+        minibatch = spec.decisions * rl.num_envs // rl.ppo.minibatches
+        score = jax.jit(lambda p, batch: chain_scores(st.agent, p, batch, minibatch))
+        sample_score = jax.jit(
+            lambda p, batch, idx: chain_scores(st.agent, p, jax.tree.map(lambda x: x[idx], batch), KL_SAMPLE)
+        )
+
+        def start_log_prob(batch, key):
+            """The start policy's log-probability of the chains, and the KL of the policy that sampled
+            them to the start (k3 over ``KL_SAMPLE`` of the active decisions): all chains when the
+            KL is optimised (``ppo.kl_coef``); otherwise the sample's only, the rest their own."""
+            n = batch["log_prob"].shape[0]
+            weights = jnp.asarray(batch["active"], jnp.float32) + 1e-6
+            idx = jax.random.choice(key, n, (min(KL_SAMPLE, n),), replace=False, p=weights / weights.sum())
+            sampled = sample_score(st.params, batch, idx)
+            log_r = sampled - jnp.asarray(batch["log_prob"])[idx]
+            kl = jnp.sum((jnp.exp(log_r) - 1.0 - log_r) * batch["active"][idx]) / jnp.maximum(
+                batch["active"][idx].sum(), 1
+            )
+            if rl.ppo.kl_coef > 0:
+                return score(st.params, batch), float(kl)
+            return jnp.asarray(batch["log_prob"]).at[idx].set(sampled), float(kl)
+
+        ckpt = RLCheckpointer(workdir, rl.keep_last)
+        cleanup.callback(ckpt.close)
+        counters = {"iteration": 0, "env_steps": 0, "elapsed_s": 0.0}
+        latest = ckpt.latest()
+        if latest is not None:
+            template = {"critic": critic_params, "opt": opt_states, "counters": _counters_array(counters)}
+            params, restored = ckpt.restore(latest, st, template)
+            critic_params, opt_states = restored["critic"], restored["opt"]
+            counters = {k_: v.item() for k_, v in restored["counters"].items()}
+            log.info("resumed %s at iteration %d", workdir, counters["iteration"])
+        (workdir / "rl_config.json").write_text(json.dumps(_plain(dataclasses.asdict(rl)), indent=1))
+        metrics = MetricsWriter(
+            dataclasses.replace(config.metrics, progress_bar=False),
+            workdir,
+            rl.iterations,
+            counters["iteration"],
+            resumed_from=latest,
+        )
+        cleanup.callback(metrics.close)
+        held_out = HeldOutEvaluation(st, config, k) if st.bundle is not None and rl.eval_envs else None
+        began, base_elapsed = time.monotonic(), counters["elapsed_s"]
+        skips = 0
+        it = counters["iteration"]
+        while it < rl.iterations:
+            key = jax.random.fold_in(jax.random.key(rl.seed), it)
+            k_roll, k_update = jax.random.split(key)
+            t0 = time.perf_counter()
+            batch_rollout = rollout(params, critic_params, k_roll)
+            jax.block_until_ready(batch_rollout.success)
+            t_roll = time.perf_counter() - t0
+            adv, returns = _advantages(rl, batch_rollout)
+            batch = ppo.flat_decisions(batch_rollout, adv, returns, batch_rollout.log_prob)
+            t0 = time.perf_counter()
+            batch["start_log_prob"], kl_to_start = start_log_prob(batch, jax.random.fold_in(k_update, 1))
+            new = update(params, critic_params, opt_states, batch, k_update)
+            jax.block_until_ready(new)
+            t_update = time.perf_counter() - t0
+            row = {k_: float(v) for k_, v in new[3].items()}
+            if not all(math.isfinite(v) for v in row.values()) or not _finite(new[0]):
+                skips += 1
+                log.warning("iteration %d: non-finite update skipped (%d in a row)", it, skips)
+                if skips >= MAX_SKIPS:
+                    raise NonFiniteLossError(f"{MAX_SKIPS} non-finite updates in a row at iteration {it}")
+            else:
+                skips = 0
+                params, critic_params, opt_states = new[:3]
+            it += 1
+            env_steps = int(jnp.sum(batch_rollout.env_steps))
+            decisions = int(jnp.sum(batch_rollout.active))
+            counters["iteration"] = it
+            counters["env_steps"] += env_steps
+            counters["elapsed_s"] = base_elapsed + time.monotonic() - began
+            active = np.asarray(batch_rollout.active, bool)
+            row.update(
+                kl_to_start=kl_to_start,
+                success_rate=float(jnp.mean(batch_rollout.success)),
+                episode_return=float(jnp.mean(batch_rollout.episode_return)),
+                approx_entropy=float(-np.asarray(batch_rollout.log_prob)[active].mean()),
+                env_steps_per_s=env_steps / t_roll,
+                decisions_per_s=decisions / t_roll,
+                rollout_s=t_roll,
+                update_s=t_update,
+                env_steps=counters["env_steps"],
+                skips=skips,
+            )
+            over_time = rl.minutes is not None and counters["elapsed_s"] >= 60 * rl.minutes
+            last = it >= rl.iterations or over_time or stop.signum is not None
+            if held_out is not None and (last or (rl.eval_every and it % rl.eval_every == 0)):
+                result = held_out(params, workdir / "eval" if last else None)
+                row.update(
+                    {
+                        f"eval/{rl.task}/success_rate": result["success_rate"],
+                        f"eval/{rl.task}/mean_return": result["mean_return"],
+                    }
+                )
+            metrics.write(it, row)
+            if last or it % rl.checkpoint_every == 0:
+                lock.check()
+                ckpt.save(
+                    it, st, params, {"critic": critic_params, "opt": opt_states, "counters": _counters_array(counters)}
+                )
+            if stop.signum is not None:
+                raise Preempted(stop.signum or signal.SIGTERM, it)
+            if over_time:
+                log.info("stopping after %.1f minutes (rl.minutes)", counters["elapsed_s"] / 60)
+                break
+        final = None
+        if held_out is not None and (workdir / "eval").is_dir():
+            final = (
+                json.loads((workdir / "eval" / "results.json").read_text())
+                if (workdir / "eval" / "results.json").is_file()
+                else None
+            )
+        return RLResult(workdir, it, metrics.history, final)
+
+
+def _advantages(rl, r):
+    adv, returns = advantages.gae(
+        r.reward, r.value, r.terminal, r.active, jnp.zeros_like(r.success, jnp.float32), gamma=rl.gamma, lam=rl.lam
+    )
+    if rl.advantage == "grpo":
+        adv = advantages.group_advantages(r.success, rl.groups)[None, :] * r.active
+    return adv, returns
+
+
+def _counters_array(counters: dict) -> dict:
+    return {
+        "iteration": np.asarray(counters["iteration"], np.int32),
+        "env_steps": np.asarray(counters["env_steps"], np.int32),
+        "elapsed_s": np.asarray(counters["elapsed_s"], np.float32),
+    }
+
+
+def _finite(tree) -> bool:
+    return all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

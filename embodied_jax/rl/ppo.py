@@ -1,0 +1,128 @@
+"""PPO over chunk-level decisions: the clipped surrogate of the chain's likelihood ratio, the value
+loss, an optional KL term to the starting policy, and one update (epochs of minibatches) as one
+jitted program.
+
+The ratio is ``exp(log π_θ(chain) - log π_old(chain))`` with the chain's Flow-SDE
+log-probability (``nn/flow.py``). The KL to the start is the k3 estimator
+``r - 1 - log r`` with ``r = π_start / π_θ`` on the chains sampled (its coefficient ``kl_coef``;
+0: reported, not optimised). Advantages are normalised per minibatch over active decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from embodied_jax.config_registry import register
+from embodied_jax.rl.agent import FlowAgent
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class PPOSettings:
+    clip: float = 0.2
+    value_coef: float = 0.5
+    kl_coef: float = 0.0
+    epochs: int = 2
+    minibatches: int = 4
+    normalize_advantages: bool = True
+
+
+def _masked_mean(x, mask):
+    return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def ppo_loss(agent: FlowAgent, critic: Callable, settings: PPOSettings, params, critic_params, mb: dict[str, Any]):
+    """(loss, metrics) of one minibatch of flat decisions (``mb``: model_observation, chain, log_prob,
+    start_log_prob, advantage, return, state, progress, active)."""
+    mask = mb["active"].astype(jnp.float32)
+    log_prob = agent.log_prob(params, mb["model_observation"], mb["chain"])
+    log_ratio = jnp.where(mask > 0, log_prob - mb["log_prob"], 0.0)
+    ratio = jnp.exp(log_ratio)
+    adv = mb["advantage"]
+    if settings.normalize_advantages:
+        mean = _masked_mean(adv, mask)
+        std = jnp.sqrt(_masked_mean(jnp.square(adv - mean), mask))
+        adv = (adv - mean) / (std + 1e-8)
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - settings.clip, 1.0 + settings.clip) * adv)
+    policy_loss = -_masked_mean(surrogate, mask)
+    value = critic(critic_params, mb["state"], mb["progress"])
+    value_loss = _masked_mean(jnp.square(value - mb["return"]), mask)
+    log_r = jnp.where(mask > 0, mb["start_log_prob"] - log_prob, 0.0)
+    kl_start = _masked_mean(jnp.exp(log_r) - 1.0 - log_r, mask)
+    loss = policy_loss + settings.value_coef * value_loss + settings.kl_coef * kl_start
+    metrics = {
+        "policy_loss": policy_loss,
+        "value_loss": value_loss,
+        "kl_to_start": kl_start,
+        "approx_kl": _masked_mean(ratio - 1.0 - log_ratio, mask),
+        "clip_fraction": _masked_mean((jnp.abs(ratio - 1.0) > settings.clip).astype(jnp.float32), mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+    }
+    return loss, metrics
+
+
+def flat_decisions(rollout, advantages, returns, start_log_prob) -> dict[str, Any]:
+    """The rollout's [T, B] decisions as one flat batch [T * B] for minibatching."""
+
+    def flat(x):
+        return x.reshape(-1, *x.shape[2:])
+
+    return {
+        "model_observation": jax.tree.map(flat, rollout.model_observation),
+        "chain": flat(rollout.chain),
+        "log_prob": flat(rollout.log_prob),
+        "start_log_prob": flat(start_log_prob),
+        "advantage": flat(advantages),
+        "return": flat(returns),
+        "state": flat(rollout.state),
+        "progress": flat(rollout.progress),
+        "active": flat(rollout.active),
+    }
+
+
+def make_update(
+    agent: FlowAgent,
+    critic: Callable,
+    settings: PPOSettings,
+    policy_opt: optax.GradientTransformation,
+    critic_opt: optax.GradientTransformation,
+):
+    """A jitted ``update(params, critic_params, opt_states, batch, key) -> (params, critic_params,
+    opt_states, metrics)``: ``settings.epochs`` passes over ``settings.minibatches`` shuffled
+    minibatches of the flat ``batch``; metrics are the means over minibatches, and
+    ``first_ratio`` the first minibatch's mean ratio (1 up to rounding: nothing has changed yet)."""
+    grad_fn = jax.value_and_grad(
+        lambda p, c, mb: ppo_loss(agent, critic, settings, p, c, mb), argnums=(0, 1), has_aux=True
+    )
+
+    def update(params, critic_params, opt_states, batch, key):
+        n = batch["log_prob"].shape[0]
+        if n % settings.minibatches:
+            raise ValueError(f"{n} decisions do not split into {settings.minibatches} minibatches")
+        size = n // settings.minibatches
+
+        def minibatch(carry, idx):
+            params, critic_params, (p_state, c_state) = carry
+            mb = jax.tree.map(lambda x: x[idx], batch)
+            (_, metrics), (g_p, g_c) = grad_fn(params, critic_params, mb)
+            up, p_state = policy_opt.update(g_p, p_state, params)
+            params = optax.apply_updates(params, up)
+            up, c_state = critic_opt.update(g_c, c_state, critic_params)
+            critic_params = optax.apply_updates(critic_params, up)
+            metrics["grad_norm"] = optax.global_norm(g_p)
+            return (params, critic_params, (p_state, c_state)), metrics
+
+        perms = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, settings.epochs))
+        idx = perms.reshape(settings.epochs * settings.minibatches, size)
+        (params, critic_params, opt_states), metrics = jax.lax.scan(minibatch, (params, critic_params, opt_states), idx)
+        out = jax.tree.map(jnp.mean, metrics)
+        out["first_ratio"] = metrics["ratio_mean"][0]
+        return params, critic_params, opt_states, out
+
+    return jax.jit(update)  # no donation: a non-finite update is dropped and the weights before it kept

@@ -1,0 +1,131 @@
+"""Where an RL run starts: a behaviour-cloned run of this project, or the toy task from scratch.
+
+``start(config)`` returns a ``Start``: the run's saved config (the one every RL checkpoint
+saves again, so ``load_policy``, ``evaluate``, ``export`` and ``serve`` read an RL checkpoint as
+any other), its runtime, its restored train state and statistics, the environment and the
+``FlowAgent`` whose trainable params are the run's (EMA) weights. For a run, the policy's
+pre- and post-processing inside the program are the bundle's ``device_io``; the environment is
+the run's evaluation task with its image size and state layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Any
+
+import jax
+
+from embodied_jax.assets import asset_files, with_assets
+from embodied_jax.bundle import PolicyBundle
+from embodied_jax.bundle.device_io import device_io
+from embodied_jax.config_registry import from_dict
+from embodied_jax.errors import InputError
+from embodied_jax.loading import serving_runtime
+from embodied_jax.nn import flow
+from embodied_jax.rl import toy
+from embodied_jax.rl.agent import FlowAgent
+from embodied_jax.rl.config import RLExperimentConfig
+from embodied_jax.train.checkpoint import Checkpointer
+from embodied_jax.train.config import CheckpointConfig, ExperimentConfig
+from embodied_jax.train.runtime import Runtime, build, initial_state
+from embodied_jax.train.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+class RLStartError(InputError, ValueError):
+    """A starting point RL cannot use (no run there, no simulated task, a task other than the run's)."""
+
+
+@dataclasses.dataclass
+class Start:
+    base: ExperimentConfig  # the policy's config (the run's, or the RL experiment's own for the toy)
+    rt: Runtime
+    state: TrainState  # the starting train state (its params or EMA are the policy's weights)
+    norm_stats: dict
+    env: Any
+    agent: FlowAgent
+    params: Any  # the trainable weights RL starts from
+    assets: dict[str, pathlib.Path]
+    bundle: PolicyBundle | None  # None for the toy policy
+    execute_steps: int
+    host_callback: bool = False  # π0.5's prompt tokens come from the host (bundle/device_io.py)
+
+    def train_state(self, params: Any) -> TrainState:
+        """The starting train state with ``params`` as its weights (and its EMA, if it keeps one)."""
+        ema = None if self.state.ema is None else params
+        return dataclasses.replace(self.state, params=params, ema=ema)
+
+    def bundle_with(self, params: Any) -> PolicyBundle:
+        with self.rt.context():
+            model = self.rt.parts.merge(params, self.state.frozen, self.state.fp8, self.state.other)
+        return PolicyBundle(self.base, model, self.norm_stats, step=self.bundle.step if self.bundle else 0)
+
+
+def _sde(config: RLExperimentConfig) -> flow.FlowSDE:
+    return flow.FlowSDE(config.rl.noise_level, config.rl.stochastic_steps)
+
+
+def _merge(rt: Runtime, state: TrainState):
+    return lambda params: rt.parts.merge(params, state.frozen, state.fp8, state.other)
+
+
+def start(config: RLExperimentConfig, devices: list | None = None) -> Start:
+    devices = list(devices or jax.local_devices())
+    if config.init_from is None:
+        return _toy_start(config, devices)
+    run = pathlib.Path(config.init_from)
+    ckpt_dir = run / "checkpoints" if (run / "checkpoints").is_dir() else run
+    if not ckpt_dir.is_dir():
+        raise RLStartError(f"--init-from {config.init_from}: no run directory with checkpoints there")
+    ckpt = Checkpointer(ckpt_dir, CheckpointConfig(async_save=False), read_only=True)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise RLStartError(f"--init-from {config.init_from}: no checkpoint steps in {ckpt_dir}")
+        base = from_dict(ckpt.read_json(step, "config"))
+        base = dataclasses.replace(base, model=with_assets(base.model, ckpt.step_directory(step)))
+        rt = serving_runtime(base, devices)
+        state, norm_stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step)
+    finally:
+        ckpt.close()
+    evaluation = base.evaluation
+    task = config.rl.task
+    if evaluation is None or not hasattr(evaluation, "task"):
+        raise RLStartError(f"--init-from {config.init_from}: the run has no simulated evaluation task to learn in")
+    if task != evaluation.task:
+        raise RLStartError(f"rl.task={task!r}, but the run at {config.init_from} was trained for {evaluation.task!r}")
+    from embodied_jax.sim import Env, EnvConfig  # MJX: imported when first used
+
+    env = Env(task, EnvConfig(image_size=tuple(evaluation.image_size), phase_in_state=evaluation.phase_in_state))
+    params = state.ema if state.ema is not None else state.params
+    with rt.context():
+        model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
+    bundle = PolicyBundle(base, model, norm_stats, step=step)
+    io = device_io(bundle, env.instruction)
+    agent = FlowAgent(_merge(rt, state), io.observe, io.act, _sde(config), config.rl.num_inference_steps)
+    k = config.rl.execute_steps or evaluation.execute_steps
+    if io.host_tokens:
+        log.warning("the prompt's tokens come from a host callback in every rollout step (bundle/device_io.py)")
+    return Start(base, rt, state, norm_stats, env, agent, params, asset_files(base.model), bundle, k, io.host_tokens)
+
+
+def _toy_start(config: RLExperimentConfig, devices: list) -> Start:
+    if config.rl.task != "toy_reach":
+        raise RLStartError(
+            f"rl.task={config.rl.task!r} needs --init-from RUN (a behaviour-cloned run); only "
+            "'toy_reach' starts from scratch"
+        )
+    env = toy.ToyReach()
+    rt = build(config, devices)
+    state = initial_state(rt)
+    agent = FlowAgent(
+        _merge(rt, state),
+        observe=lambda obs: {"state": obs["state"]},
+        act=lambda actions, state: actions,
+        sde=_sde(config),
+        num_steps=config.rl.num_inference_steps,
+    )
+    return Start(config, rt, state, {}, env, agent, state.params, {}, None, config.rl.execute_steps or 4)

@@ -1,0 +1,69 @@
+"""Reinforcement learning of a behaviour-cloned run in the batched simulator (``docs/rl.md``).
+
+``python -m experiments.launch rl_<task> --init-from RUN`` fine-tunes the run (its workdir)
+with PPO through the Flow-SDE sampler on ``task`` and writes a run of its own to ``--workdir``
+(checkpoints that load with ``load_policy``, ``metrics.jsonl``, TensorBoard, a held-out
+evaluation at the end). ``rl_toy_reach`` trains the toy flow policy from scratch on the
+pure-JAX reaching task (seconds; the RL stack's smallest end-to-end run): its success rate
+rises from about 0.1 to about 0.6 in 20 iterations.
+"""
+
+from __future__ import annotations
+
+from embodied_jax.models.toy_flow import ToyFlowConfig
+from embodied_jax.parallel.mesh import MeshConfig
+from embodied_jax.rl.config import RLConfig, RLExperimentConfig
+from embodied_jax.rl.ppo import PPOSettings
+from experiments.registry import register, register_runner
+
+TASKS = ("reach", "pick_place", "handover")
+
+
+def run_rl(config: RLExperimentConfig) -> int:
+    from embodied_jax.rl.loop import train
+
+    result = train(config)
+    rows = [h for h in result.history if "success_rate" in h]
+    if rows:
+        print("rollout success: " + ", ".join(f"{int(h['step'])}:{h['success_rate']:.2f}" for h in rows))
+    if result.evaluation is not None:
+        e = result.evaluation
+        print(f"held-out: success rate {100 * e['success_rate']:.1f}% over {e['episodes']} episodes")
+    print(f"finished at iteration {result.iterations}; outputs in {result.workdir}")
+    return 0
+
+
+register_runner(RLExperimentConfig, run_rl)
+
+
+def _task_factory(task: str):
+    def factory() -> RLExperimentConfig:
+        return RLExperimentConfig(name=f"rl_{task}", rl=RLConfig(task=task), workdir=f"runs/rl_{task}")
+
+    return factory
+
+
+for _task in TASKS:
+    register(f"rl_{_task}", f"PPO fine-tuning of a behaviour-cloned run on {_task} (--init-from RUN)")(
+        _task_factory(_task)
+    )
+
+
+@register("rl_toy_reach", "PPO of the toy flow policy from scratch on a pure-JAX reaching task (seconds)")
+def rl_toy_reach() -> RLExperimentConfig:
+    return RLExperimentConfig(
+        name="rl_toy_reach",
+        model=ToyFlowConfig(horizon=4, num_steps=4),
+        mesh=MeshConfig(data=-1),
+        workdir="runs/rl_toy_reach",
+        rl=RLConfig(
+            task="toy_reach",
+            num_envs=256,
+            execute_steps=4,
+            iterations=20,
+            shaping=0.2,
+            policy_lr=1e-3,
+            ppo=PPOSettings(epochs=4, minibatches=4),
+            eval_envs=0,
+        ),
+    )

@@ -1,0 +1,65 @@
+"""An RL run of a trained policy (the session's tiny demo run): it resumes from its checkpoint with
+the uninterrupted run's metrics, and its checkpoints load with ``load_policy`` as any run's."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from embodied_jax.rl.config import RLConfig, RLExperimentConfig
+from embodied_jax.rl.ppo import PPOSettings
+from embodied_jax.train.config import MetricsConfig
+
+TIMINGS = {"rollout_s", "update_s", "env_steps_per_s", "decisions_per_s"}
+
+
+def _config(demo_run, workdir, iterations):
+    return RLExperimentConfig(
+        init_from=str(demo_run),
+        workdir=str(workdir),
+        metrics=MetricsConfig(progress_bar=False, tensorboard=False),
+        rl=RLConfig(
+            task="reach",
+            num_envs=8,
+            iterations=iterations,
+            checkpoint_every=1,
+            eval_envs=0,
+            policy_lr=1e-3,
+            ppo=PPOSettings(epochs=1, minibatches=2),
+        ),
+    )
+
+
+def _rows(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(600)
+def test_rl_run_resumes_with_identical_metrics_and_loads_with_load_policy(demo_run, tmp_path):
+    from embodied_jax import load_policy
+    from embodied_jax.rl.loop import train
+
+    devices = jax.local_devices()[:1]
+    whole = train(_config(demo_run, tmp_path / "whole", 2), devices)
+    assert whole.iterations == 2
+    cut = tmp_path / "cut"
+    train(_config(demo_run, cut, 1), devices)  # stopped after one iteration (its checkpoint: 1)
+    resumed = train(_config(demo_run, cut, 2), devices)
+    assert resumed.iterations == 2
+    a, b = _rows(tmp_path / "whole"), _rows(cut)
+    assert [r["step"] for r in b] == [1, 2]
+    for x, y in zip(a, b, strict=True):
+        for key in x.keys() - TIMINGS:
+            np.testing.assert_allclose(y[key], x[key], rtol=1e-6, err_msg=key)
+
+    bundle = load_policy(cut)  # the RL weights, read as any run's policy
+    start = load_policy(demo_run)
+    assert bundle.step == 2
+    changed = jax.tree.map(lambda p, q: float(np.abs(np.asarray(p) - np.asarray(q)).max()), bundle.params, start.params)
+    assert max(jax.tree.leaves(changed)) > 0  # the update moved the policy
+    again = load_policy(tmp_path / "whole")
+    same = jax.tree.map(lambda p, q: np.array_equal(np.asarray(p), np.asarray(q)), bundle.params, again.params)
+    assert all(jax.tree.leaves(same))  # resumed and uninterrupted runs end with the same weights
