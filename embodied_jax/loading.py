@@ -27,6 +27,7 @@ from embodied_jax.train import pretrained
 from embodied_jax.train.checkpoint import Checkpointer
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig
 from embodied_jax.train.runtime import Runtime, build
+from embodied_jax.train.state import TrainState
 
 MODEL_STATE = "model_state"  # an exported policy's non-parameter model state (FP8 scales, ...)
 
@@ -45,21 +46,12 @@ def serving_runtime(config: ExperimentConfig, devices: list | None) -> Runtime:
     return build(config, devices)
 
 
-def load_policy(
-    ckpt_dir: str | os.PathLike, *, step: int | None = None, use_ema: bool = True, devices: list | None = None
-) -> PolicyBundle:
-    """A trained policy from a run (``<workdir>``, ``<workdir>/checkpoints``) or an exported policy.
-
-    ``step``: the checkpoint step (default: the latest). ``use_ema``: the EMA weights when the run
-    kept them. The parameters are replicated over ``devices`` (default: the first local device).
-    An exported policy holds one step and one set of weights: ``step`` and ``use_ema`` must be
-    left at their defaults for it.
-    """
+def restore_run(
+    ckpt_dir: str | os.PathLike, *, step: int | None = None, devices: list | None = None
+) -> tuple[ExperimentConfig, Runtime, TrainState, dict, int]:
+    """A run's saved config (its asset fields pointing into the step), its serving runtime over
+    ``devices``, the restored train state and statistics, and the step (default: the latest)."""
     path = pathlib.Path(ckpt_dir).absolute()
-    if (path / pretrained.POLICY_FILE).is_file():
-        if step is not None or not use_ema:
-            raise ValueError(f"{ckpt_dir}: an exported policy holds one step and one set of weights")
-        return _load_exported(path, devices)
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if not path.is_dir():
@@ -75,6 +67,25 @@ def load_policy(
         state, norm_stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step)
     finally:
         ckpt.close()
+    return config, rt, state, norm_stats, step
+
+
+def load_policy(
+    ckpt_dir: str | os.PathLike, *, step: int | None = None, use_ema: bool = True, devices: list | None = None
+) -> PolicyBundle:
+    """A trained policy from a run (``<workdir>``, ``<workdir>/checkpoints``) or an exported policy.
+
+    ``step``: the checkpoint step (default: the latest). ``use_ema``: the EMA weights when the run
+    kept them. The parameters are replicated over ``devices`` (default: the first local device).
+    An exported policy holds one step and one set of weights: ``step`` and ``use_ema`` must be
+    left at their defaults for it.
+    """
+    path = pathlib.Path(ckpt_dir).absolute()
+    if (path / pretrained.POLICY_FILE).is_file():
+        if step is not None or not use_ema:
+            raise ValueError(f"{ckpt_dir}: an exported policy holds one step and one set of weights")
+        return _load_exported(path, devices)
+    config, rt, state, norm_stats, step = restore_run(ckpt_dir, step=step, devices=devices)
     params = state.ema if (use_ema and state.ema is not None) else state.params
     with rt.context():
         model = rt.parts.merge(params, state.frozen, state.fp8, state.other)

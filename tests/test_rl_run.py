@@ -4,6 +4,7 @@ the uninterrupted run's metrics, and its checkpoints load with ``load_policy`` a
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -45,8 +46,11 @@ def test_rl_run_resumes_with_identical_metrics_and_loads_with_load_policy(demo_r
     devices = jax.local_devices()[:1]
     whole = train(_config(demo_run, tmp_path / "whole", 2), devices)
     assert whole.iterations == 2
+    # the same run as if stopped after its first iteration: its second checkpoint never written
     cut = tmp_path / "cut"
-    train(_config(demo_run, cut, 1), devices)  # stopped after one iteration (its checkpoint: 1)
+    shutil.copytree(tmp_path / "whole", cut, ignore=shutil.ignore_patterns("run.lock"))
+    for part in ("checkpoints", "rl_state"):
+        shutil.rmtree(cut / part / "2")
     resumed = train(_config(demo_run, cut, 2), devices)
     assert resumed.iterations == 2
     a, b = _rows(tmp_path / "whole"), _rows(cut)

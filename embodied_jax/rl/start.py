@@ -17,18 +17,16 @@ from typing import Any
 
 import jax
 
-from embodied_jax.assets import asset_files, with_assets
+from embodied_jax.assets import asset_files
 from embodied_jax.bundle import PolicyBundle
 from embodied_jax.bundle.device_io import device_io
-from embodied_jax.config_registry import from_dict
 from embodied_jax.errors import InputError
-from embodied_jax.loading import serving_runtime
+from embodied_jax.loading import restore_run
 from embodied_jax.nn import flow
 from embodied_jax.rl import toy
 from embodied_jax.rl.agent import FlowAgent
 from embodied_jax.rl.config import RLExperimentConfig
-from embodied_jax.train.checkpoint import Checkpointer
-from embodied_jax.train.config import CheckpointConfig, ExperimentConfig
+from embodied_jax.train.config import ExperimentConfig
 from embodied_jax.train.runtime import Runtime, build, initial_state
 from embodied_jax.train.state import TrainState
 
@@ -77,20 +75,12 @@ def start(config: RLExperimentConfig, devices: list | None = None) -> Start:
     if config.init_from is None:
         return _toy_start(config, devices)
     run = pathlib.Path(config.init_from)
-    ckpt_dir = run / "checkpoints" if (run / "checkpoints").is_dir() else run
-    if not ckpt_dir.is_dir():
+    if not (run / "checkpoints").is_dir() and not run.is_dir():
         raise RLStartError(f"--init-from {config.init_from}: no run directory with checkpoints there")
-    ckpt = Checkpointer(ckpt_dir, CheckpointConfig(async_save=False), read_only=True)
     try:
-        step = ckpt.latest_step()
-        if step is None:
-            raise RLStartError(f"--init-from {config.init_from}: no checkpoint steps in {ckpt_dir}")
-        base = from_dict(ckpt.read_json(step, "config"))
-        base = dataclasses.replace(base, model=with_assets(base.model, ckpt.step_directory(step)))
-        rt = serving_runtime(base, devices)
-        state, norm_stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step)
-    finally:
-        ckpt.close()
+        base, rt, state, norm_stats, step = restore_run(run, devices=devices)
+    except FileNotFoundError as e:
+        raise RLStartError(f"--init-from {config.init_from}: {e}") from e
     evaluation = base.evaluation
     task = config.rl.task
     if evaluation is None or not hasattr(evaluation, "task"):
