@@ -167,18 +167,20 @@ def test_sharded_rollouts_equal_single_device_ones(toy_start):
     np.testing.assert_allclose(single.log_prob, sharded.log_prob, rtol=1e-4, atol=1e-3)
 
 
-def test_toy_flow_policy_learns_to_reach_and_the_first_ratio_is_one(tmp_path):
+def test_toy_flow_policy_learns_to_reach_and_the_first_ratio_is_one(tmp_path, monkeypatch):
     from embodied_jax.rl.loop import train
     from embodied_jax.train.config import MetricsConfig
 
     config = rl_toy_reach()
     config = dataclasses.replace(
         config,
-        workdir=str(tmp_path / "rl"),
+        workdir="rl",  # relative, as on a command line: the checkpoints are written all the same
         metrics=MetricsConfig(progress_bar=False, tensorboard=False),
         rl=dataclasses.replace(config.rl, iterations=16, checkpoint_every=100),
     )
+    monkeypatch.chdir(tmp_path)
     history = train(config, jax.devices()[:1]).history
+    assert (tmp_path / "rl" / "checkpoints" / "16").is_dir() and (tmp_path / "rl" / "rl_state" / "16").is_dir()
     success = [h["success_rate"] for h in history]
     for h in history:
         assert abs(h["first_ratio"] - 1.0) < 1e-4  # the first minibatch sees the weights that sampled it

@@ -27,6 +27,7 @@ RL_STATE = "rl_state"
 
 class RLCheckpointer:
     def __init__(self, workdir: pathlib.Path, keep_last: int):
+        workdir = pathlib.Path(workdir).absolute()  # Orbax writes absolute paths only
         self.policy = Checkpointer(workdir / "checkpoints", CheckpointConfig(async_save=False, keep_last=keep_last))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep_last, create=True, enable_async_checkpointing=False)
         self.rl = ocp.CheckpointManager(workdir / RL_STATE, options=options)

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 
@@ -54,6 +54,8 @@ class Flags:
     """RL environments per rollout"""
     policy_lr: float = 1e-4
     sequential: bool = False
+    arms: tuple[Literal["rl", "bc"], ...] = ("rl", "bc")
+    """the arms to run; an arm left out is evaluated from its workdir as an earlier run left it"""
     rl_flags: tuple[str, ...] = ()
     """further launcher flags for the RL arm, e.g. --rl-flags=--rl.noise-level=0.5"""
 
@@ -167,22 +169,25 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             time.sleep(2)
 
+    procs = {}
     began = time.monotonic()
-    if args.sequential:
-        rl, rl_log = start(rl_cmd, "rl")
-        rl.wait()
-        began = time.monotonic()
-        bc, bc_log = start(bc_cmd, "bc")
-        stop_after(bc, began)
-    else:
-        rl, rl_log = start(rl_cmd, "rl")
-        bc, bc_log = start(bc_cmd, "bc")
-        stop_after(bc, began)
-        rl.wait()
-    rl_log.close()
-    bc_log.close()
-    if rl.returncode != 0:
-        raise RuntimeError(f"the RL arm failed (status {rl.returncode}): see {out / 'rl.log'}")
+    for name, cmd in (("rl", rl_cmd), ("bc", bc_cmd)):
+        if name in args.arms:
+            procs[name] = start(cmd, name)
+            if args.sequential:
+                proc, log = procs[name]
+                if name == "bc":
+                    stop_after(proc, time.monotonic())
+                proc.wait()
+                log.close()
+    if not args.sequential:
+        if "bc" in procs:
+            stop_after(procs["bc"][0], began)
+        for proc, log in procs.values():
+            proc.wait()
+            log.close()
+    if "rl" in procs and procs["rl"][0].returncode != 0:
+        raise RuntimeError(f"the RL arm failed (status {procs['rl'][0].returncode}): see {out / 'rl.log'}")
 
     scores = {}
     for name, ckpt in (("start", run), ("rl", rl_dir), ("bc", bc_dir)):
