@@ -80,7 +80,8 @@ def _bc_command(run: pathlib.Path, workdir: pathlib.Path) -> list[str]:
         "from embodied_jax.train.config import MetricsConfig\n"
         f"meta = pathlib.Path({str(target)!r}) / 'config' / 'metadata'\n"
         "config = from_dict(json.loads(meta.read_text()))\n"
-        f"config = dataclasses.replace(config, workdir={str(workdir)!r}, evaluation=None,\n"
+        f"config = dataclasses.replace(config, workdir={str(workdir)!r},\n"
+        "    train=dataclasses.replace(config.train, eval_every=0),  # no evaluation inside the minutes\n"
         "    metrics=MetricsConfig(progress_bar=False, tensorboard=False))\n"
         "try:\n    train(config)\nexcept Preempted as e:\n    print('stopped:', e)\n"
     )
