@@ -118,10 +118,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             shaping=rl.shaping,
             groups=rl.groups if rl.advantage == "grpo" else None,
         )
-        state_dim = int(
-            st.env.observe(jax.vmap(st.env.reset)(jax.random.split(jax.random.key(0), 1)))["state"].shape[-1]
-        )
-        critic, critic_params = critic_functions(state_dim, rl.critic_width, rl.seed)
+        critic, critic_params = critic_functions(rollout_lib.state_width(st.env), rl.critic_width, rl.seed)
         policy_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.policy_lr))
         critic_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.critic_lr))
         params = st.params
@@ -163,7 +160,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             critic_params, opt_states = restored["critic"], restored["opt"]
             counters = {k_: v.item() for k_, v in restored["counters"].items()}
             log.info("resumed %s at iteration %d", workdir, counters["iteration"])
-        (workdir / "rl_config.json").write_text(json.dumps(_plain(dataclasses.asdict(rl)), indent=1))
+        (workdir / "rl_config.json").write_text(json.dumps(dataclasses.asdict(rl), indent=1))
         metrics = MetricsWriter(
             dataclasses.replace(config.metrics, progress_bar=False),
             workdir,
@@ -175,6 +172,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
         held_out = HeldOutEvaluation(st, config, k) if st.bundle is not None and rl.eval_envs else None
         began, base_elapsed = time.monotonic(), counters["elapsed_s"]
         skips = 0
+        final = None
         it = counters["iteration"]
         while it < rl.iterations:
             key = jax.random.fold_in(jax.random.key(rl.seed), it)
@@ -222,6 +220,10 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             last = it >= rl.iterations or over_time or stop.signum is not None
             if held_out is not None and (last or (rl.eval_every and it % rl.eval_every == 0)):
                 result = held_out(params, workdir / "eval" if last else None)
+                if last:
+                    final = {**result, "iteration": it, "seed": rl.eval_seed}
+                    (workdir / "eval").mkdir(exist_ok=True)
+                    (workdir / "eval" / "results.json").write_text(json.dumps(final, indent=2))
                 row.update(
                     {
                         f"eval/{rl.task}/success_rate": result["success_rate"],
@@ -239,13 +241,6 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             if over_time:
                 log.info("stopping after %.1f minutes (rl.minutes)", counters["elapsed_s"] / 60)
                 break
-        final = None
-        if held_out is not None and (workdir / "eval").is_dir():
-            final = (
-                json.loads((workdir / "eval" / "results.json").read_text())
-                if (workdir / "eval" / "results.json").is_file()
-                else None
-            )
         return RLResult(workdir, it, metrics.history, final)
 
 
@@ -268,11 +263,3 @@ def _counters_array(counters: dict) -> dict:
 
 def _finite(tree) -> bool:
     return all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value

@@ -57,6 +57,12 @@ class RolloutSpec:
     groups: int | None = None
 
 
+def state_width(env: Any) -> int:
+    """The width of the robot state ``env`` observes (the critic's input)."""
+    state = jax.eval_shape(lambda key: env.robot_state(jax.vmap(env.reset)(key[None])), jax.random.key(0))
+    return int(state.shape[-1])
+
+
 def decisions_per_episode(episode_limit: int, execute_steps: int) -> int:
     return -(-episode_limit // execute_steps)
 

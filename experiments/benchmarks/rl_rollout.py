@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     st = start(config, jax.local_devices()[:1])
     k = st.execute_steps
     spec = rollout_lib.RolloutSpec(args.num_envs, k, rollout_lib.decisions_per_episode(st.env.episode_limit, k))
-    state_dim = st.env.observe(jax.vmap(st.env.reset)(jax.random.split(jax.random.key(0), 1)))["state"].shape[-1]
-    critic, critic_params = critic_functions(int(state_dim), 128, 0)
+    critic, critic_params = critic_functions(rollout_lib.state_width(st.env), 128, 0)
     horizon = st.base.model.action_horizon
     with st.rt.context():
         programs = {
