@@ -178,22 +178,30 @@ def evaluate_metaworld(
     out_dir: str | pathlib.Path | None = None,
     seed: int | None = None,
     execute_steps: int | None = None,
+    prompts: str | None = None,
+    render_style: str | None = None,
+    image_size: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """``bundle`` closed-loop in Meta-World's own environments (``sim.metaworld``): ``episodes`` per
-    task (default 10), ``envs`` of them stepped together with one ``predict`` call per decision,
-    images at the policy's input size; seed, ``execute_steps`` default to the run's evaluation."""
+    """``bundle`` closed-loop in Meta-World by LeRobot's protocol (``sim.metaworld``): ``episodes``
+    per task (default 10), ``envs`` of them stepped together with one ``predict`` call per decision,
+    on the test seed unless ``seed`` says otherwise; images at the policy's input size (or
+    ``image_size``: 480 renders LeRobot's frames, which the bundle resizes as in training);
+    ``execute_steps``, ``prompts`` and ``render_style`` default to the run's evaluation."""
     import jax
 
     from embodied_jax.sim import metaworld
 
     settings = defaults(bundle)
+    run = bundle.config.evaluation
     episodes = 10 if episodes is None else episodes
     config = metaworld.EvalSettings(
         episodes=episodes,
         envs=min(episodes, envs or metaworld.EvalSettings.envs),
         execute_steps=settings["execute_steps"] if execute_steps is None else execute_steps,
-        seed=settings["seed"] if seed is None else seed,
+        seed=metaworld.TEST_SEED if seed is None else seed,
         videos=videos,
+        prompts=prompts or getattr(run, "prompts", metaworld.EvalSettings.prompts),
+        render_style=render_style or getattr(run, "render_style", metaworld.EvalSettings.render_style),
     )
     missing = [key for key in bundle.inputs.camera_keys if key != metaworld.IMAGE_KEY]
     if missing or bundle.action_dim not in (None, 4):
@@ -201,7 +209,7 @@ def evaluate_metaworld(
             f"Meta-World gives {metaworld.IMAGE_KEY} and takes 4-dim actions; the policy needs cameras "
             f"{list(bundle.inputs.camera_keys)} and predicts {bundle.action_dim}-dim actions"
         )
-    image_size = tuple(bundle.image_size or settings["image_size"])
+    image_size = tuple(image_size or bundle.image_size or settings["image_size"])
 
     def policy(batch, call_seed):
         return bundle.predict(batch, rng=jax.random.key(call_seed))
@@ -245,6 +253,9 @@ def report_lines(metrics: dict[str, Any], out_dir: str | pathlib.Path) -> list[s
     lines += [f"video: {video}" for video in metrics.get("videos", [])]
     if "frame_grid" in metrics:
         lines.append(f"frames: {metrics['frame_grid']}")
+    if "group_frame_grid" in metrics:
+        rows = ", ".join(f"{r['difficulty']} {r['outcome']} ({r['task']})" for r in metrics["group_frame_rows"])
+        lines.append(f"frames per difficulty group: {metrics['group_frame_grid']} (rows: {rows})")
     return lines
 
 
@@ -299,6 +310,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"actions executed from each chunk before replanning (default: the run's, else {DEFAULT_EXECUTE_STEPS})",
     )
     parser.add_argument("--instruction", default=None, help="the prompt for a Playground env (default: its name)")
+    parser.add_argument(
+        "--prompts",
+        choices=("lerobot", "project"),
+        default=None,
+        help="Meta-World: LeRobot's task descriptions or the project's own sentences (default: the run's)",
+    )
+    parser.add_argument(
+        "--render-style",
+        choices=("fast", "lerobot"),
+        default=None,
+        help="Meta-World: 'lerobot' renders with Meta-World's own settings (default: the run's)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        metavar="PX",
+        help="Meta-World: square render size (default: the policy's input size; 480 is LeRobot's)",
+    )
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     # The project's own warnings; absl (Orbax's logger) warns about its type-handler registry on every start.
@@ -344,6 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out_dir=out,
                 seed=args.seed,
                 execute_steps=args.execute_steps,
+                prompts=args.prompts,
+                render_style=args.render_style,
+                image_size=None if args.image_size is None else (args.image_size, args.image_size),
             )
         else:
             print(f"evaluating step {bundle.step} of {args.ckpt} on {args.task} in batched MJX ...", flush=True)

@@ -38,43 +38,49 @@ GR00T_PAD = "<|endoftext|>"
 RECORD = "demo.json"  # what a demo run directory was made for (task, model)
 
 
-def gr00t_words() -> list[str]:
+def gr00t_words(instructions: Sequence[str] | None = None, num_images: int = len(GR00T_CAMERAS)) -> list[str]:
     """The plain words of the GR00T demo's vocabulary: ``[UNK]``, then every word (as the
     ``tokenizers`` Whitespace pre-tokenizer splits them) of the Eagle chat prompt around the
-    built-in tasks' instructions."""
+    instructions (default: the built-in tasks')."""
     from tokenizers import pre_tokenizers
 
     from embodied_jax.sim.tasks import TASKS
 
+    if instructions is None:
+        instructions = [cls.instruction for cls in TASKS.values()]
     split = pre_tokenizers.Whitespace()
     words = set()
-    for cls in TASKS.values():
-        text = eagle_prompt(cls.instruction, num_images=len(GR00T_CAMERAS), image_tokens=1)
+    for instruction in instructions:
+        text = eagle_prompt(instruction, num_images=num_images, image_tokens=1)
         for special in SPECIAL_TOKENS:
             text = text.replace(special, " ")
         words.update(word for word, _ in split.pre_tokenize_str(text))
     return ["[UNK]", *sorted(words)]
 
 
-def gr00t_vocabulary() -> list[str]:
+def gr00t_vocabulary(instructions: Sequence[str] | None = None) -> list[str]:
     """The GR00T demo's vocabulary in id order: the plain words, the chat/image special tokens, the pad token."""
-    return [*gr00t_words(), *SPECIAL_TOKENS, GR00T_PAD]
+    return [*gr00t_words(instructions), *SPECIAL_TOKENS, GR00T_PAD]
 
 
-def demo_gr00t_model(action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE) -> Gr00tConfig:
-    """The ``demo_gr00t`` size (``models/gr00t/variants.py:demo``) with this demo's vocabulary."""
-    vocab = gr00t_vocabulary()
+def demo_gr00t_model(
+    action_dim: int = 4, horizon: int = 8, image_size: int = IMAGE, instructions: Sequence[str] | None = None
+) -> Gr00tConfig:
+    """The ``demo_gr00t`` size (``models/gr00t/variants.py:demo``) with the vocabulary of
+    ``instructions`` (default: the built-in tasks')."""
+    vocab = gr00t_vocabulary(instructions)
     return gr00t_variants.demo(
         action_dim, horizon, image_size, vocab_size=len(vocab), image_token_id=vocab.index("<IMG_CONTEXT>")
     )
 
 
-def build_gr00t_tokenizer(path: pathlib.Path) -> pathlib.Path:
+def build_gr00t_tokenizer(path: pathlib.Path, instructions: Sequence[str] | None = None) -> pathlib.Path:
     """A word-level ``tokenizer.json`` over :func:`gr00t_vocabulary` (GR00T reads Qwen3's format)."""
     import tokenizers
     from tokenizers import models, pre_tokenizers
 
-    tokenizer = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(gr00t_words())}, unk_token="[UNK]"))
+    words = gr00t_words(instructions)
+    tokenizer = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens([*SPECIAL_TOKENS, GR00T_PAD])
     path.parent.mkdir(parents=True, exist_ok=True)

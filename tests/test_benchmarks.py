@@ -1,6 +1,8 @@
 """Benchmark tools that tests can afford: ``compare_steps`` on the toy experiment."""
 
+import dataclasses
 import importlib
+import json
 
 import jax
 import numpy as np
@@ -184,6 +186,42 @@ def test_a_recorded_row_names_its_commit_machine_and_command(tmp_path, monkeypat
     table = report.render(tmp_path)
     assert "| `python -m experiments.benchmarks.toy_bench --rounds 2` | speedup 1.7 |" in table
     assert "test cpu, 2 cores, cpu" in table
+
+
+def test_a_success_row_from_uncommitted_changes_is_marked_and_left_out_of_the_tables(tmp_path, monkeypatch):
+    """``--record`` of a learning result: commit, config hash, overrides, seeds, wall time split and
+    machine in one row; a dirty tree's row is kept but marked, and the generated tables skip it."""
+    from experiments import record
+    from experiments.benchmarks import report
+    from experiments.toy import toy
+
+    monkeypatch.setattr(record, "machine", lambda matmul_rate=False: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
+    config = toy()
+    for commit in ("abc123", "abc123-dirty"):
+        monkeypatch.setattr(record, "_commit", lambda commit=commit: commit)
+        row = record.success_row(
+            "toy_success",
+            config,
+            result={"success_rate": 0.5, "success_ci95": [0.3, 0.7], "episodes": 20},
+            seeds={"training": 0, "test": 1},
+            wall_s={"collection": 1.0, "training": 2.0, "evaluation": 3.0},
+            overrides=["--train.steps", "5"],
+        )
+        record.append(row, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "toy_success.jsonl").read_text().splitlines()]
+    assert [r["clean"] for r in rows] == [True, False] and rows[1]["commit"] == "abc123-dirty"
+    assert (
+        rows[0]["config_hash"]
+        == record.config_hash(config)
+        != record.config_hash(
+            dataclasses.replace(config, train=dataclasses.replace(config.train, steps=config.train.steps + 1))
+        )
+    )
+    assert rows[0]["overrides"] == ["--train.steps", "5"] and rows[0]["seeds"] == {"training": 0, "test": 1}
+    assert rows[0]["wall_s"] == {"collection": 1.0, "training": 2.0, "evaluation": 3.0}
+    assert rows[0]["machine"]["shared"] is False
+    shown = report.latest_runs(tmp_path)["toy_success"]
+    assert [r["commit"] for r in shown] == ["abc123"]
 
 
 def test_anchors_stand_beside_the_runs_of_their_configuration(tmp_path, monkeypatch):

@@ -19,49 +19,141 @@ SIZE, STEPS = 32, 40
 
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory):
-    """One pick-place episode of at most 40 steps at 32 px, through the collection command line."""
+    """Two pick-place episodes of at most 40 steps at 32 px, through the collection command line."""
     from embodied_jax.sim import collect
 
     root = tmp_path_factory.mktemp("mw") / "pick-place"
-    argv = ["metaworld:pick-place", "--episodes", "1", "--out", str(root), "--image-size", str(SIZE)]
+    argv = ["metaworld:pick-place", "--episodes", "2", "--out", str(root), "--image-size", str(SIZE)]
     assert collect.main([*argv, "--noise", "0", "--keep-failures", "--max-steps", str(STEPS)]) == 0
     return LeRobotDataset(root)
 
 
-def test_collected_episode_has_lerobots_metaworld_layout(collected):
+def test_collected_dataset_has_the_hub_datasets_features_shapes_dtypes_and_fps(collected):
     ds = collected
-    assert ds.num_episodes == 1 and 1 <= ds.num_frames <= STEPS
+    assert ds.num_episodes == 2 and 2 <= ds.num_frames <= 2 * STEPS
     assert ds.camera_keys == (metaworld.IMAGE_KEY,)
-    assert ds.features["observation.state"]["shape"] == [4] and ds.features["action"]["shape"] == [4]
-    assert ds.info["robot_type"] == "sawyer" and ds.fps == metaworld.FPS
-    assert list(ds.tasks) == [metaworld.INSTRUCTIONS["pick-place"]]
+    assert ds.info["robot_type"] == "metaworld" and ds.fps == metaworld.FPS == 80
+    assert ds.info["codebase_version"] == "v3.0"
+    features = {key: (f["dtype"], f["shape"]) for key, f in ds.features.items()}
+    expected = dict(metaworld.HUB_FEATURES)
+    expected[metaworld.IMAGE_KEY] = ("image", [3, SIZE, SIZE])  # the hub's 480, collected here at 32
+    assert features == expected
+    assert list(ds.tasks) == [metaworld.LEROBOT_DESCRIPTIONS["pick-place"]] == ["Pick and place a puck to a goal"]
     actions = ds.episode_array(0, "action")
     assert np.all(np.abs(actions) <= 1.0)
+    env_state = ds.episode_array(0, metaworld.ENV_STATE_KEY)
+    assert env_state.shape == (len(actions), 39)
+    np.testing.assert_allclose(env_state[:, :4], ds.episode_array(0, metaworld.STATE_KEY), atol=1e-6)
+    assert set(np.unique(ds.episode_array(0, metaworld.TASK_ID_KEY)).tolist()) == {31}  # LeRobot's pick-place-v3
+    assert metaworld.task_id("window-open") == 48 and metaworld.task_id("window-close") == 49  # not sorted there
+    rewards = ds.episode_array(0, metaworld.REWARD_KEY)
+    assert rewards.shape == (len(actions),) and np.all(np.isfinite(rewards)) and rewards.max() > 0
+    # The environment state is data only: a Meta-World run reads the image, the 4-D state and the actions.
+    from experiments.metaworld import metaworld_config
+
+    spec = metaworld_config().data.data.spec
+    read = {*spec.state_keys, *spec.action_keys, *spec.extra_keys, *spec.camera_keys}
+    assert read == {metaworld.STATE_KEY, metaworld.ACTION_KEY, metaworld.IMAGE_KEY}
 
 
 def test_frames_and_states_replay_from_the_episode_seed(collected):
-    """Episode 0 of seed 0 resets to the same state again: its first frame read back equals a
-    fresh render of it (lossless storage), and the state matches the end-effector."""
+    """Episode 0 of the collection seed resets to the same state again: its first frame read back
+    equals a fresh render of it (lossless storage), and the state matches the end-effector."""
     env = metaworld.MetaWorldEnv("pick-place", (SIZE, SIZE))
     try:
-        env.reset(metaworld.episode_seed(0, "pick-place", 0))
+        env.reset(metaworld.episode_seed(metaworld.COLLECTION_SEED, "pick-place", 0))
         np.testing.assert_array_equal(collected.images(0, metaworld.IMAGE_KEY, [0])[0], env.render())
         np.testing.assert_allclose(collected.episode_array(0, "observation.state")[0], env.state(), atol=1e-6)
         first = env.render()
-        env.reset(metaworld.episode_seed(1, "pick-place", 0))  # evaluation's seed: another start
+        env.reset(metaworld.episode_seed(metaworld.TEST_SEED, "pick-place", 0))  # the test seed: another start
         assert not np.array_equal(first, env.render())
     finally:
         env.close()
-    assert metaworld.episode_seed(0, "reach", 3) != metaworld.episode_seed(1, "reach", 3)
 
 
-def test_scripted_policy_solves_reach_and_dart_calibration_is_printed(capsys):
+def test_each_purpose_has_its_own_reset_seeds():
+    """Collection, calibration, validation and test never start an episode from the same seed."""
+    purposes = (
+        metaworld.COLLECTION_SEED,
+        metaworld.CALIBRATION_SEED,
+        metaworld.VALIDATION_SEED,
+        metaworld.TEST_SEED,
+    )
+    assert len(set(purposes)) == 4
+    seeds = [{metaworld.episode_seed(p, task, i) for task in metaworld.MT10 for i in range(60)} for p in purposes]
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not seeds[a] & seeds[b], (purposes[a], purposes[b])
+    assert metaworld.EvalSettings().seed == metaworld.TEST_SEED
+    from embodied_jax.policy_evaluation import MetaWorldEvaluation
+
+    assert MetaWorldEvaluation().seed == metaworld.VALIDATION_SEED  # in-training: choosing, not reporting
+
+
+def test_a_frame_is_lerobots_pixel_for_pixel():
+    """pick-place reset from one seed and rendered through the project, against the same frame made
+    the way LeRobot's wrapper (``lerobot/envs/metaworld.py``) makes it, written out here."""
+    import metaworld as mw
+
+    seed = metaworld.episode_seed(metaworld.TEST_SEED, "pick-place", 0)
+    env = metaworld.MetaWorldEnv("pick-place", metaworld.LEROBOT_IMAGE_SIZE, render_style="lerobot")
+    try:
+        env.reset(seed)
+        ours = env.render()
+    finally:
+        env.close()
+
+    metaworld.adapt()  # the weld width of this MuJoCo (mujoco 3.17), as the project installs it
+    mt1 = mw.MT1("pick-place-v3", seed=42)
+    theirs_env = mt1.train_classes["pick-place-v3"](render_mode="rgb_array", camera_name="corner2")
+    try:
+        theirs_env.set_task(mt1.train_tasks[0])
+        theirs_env.model.cam_pos[2] = [0.75, 0.075, 0.7]
+        theirs_env.reset()
+        theirs_env._freeze_rand_vec = False
+        theirs_env.seeded_rand_vec = True
+        theirs_env.seed(seed)
+        theirs_env.reset(seed=seed)
+        theirs = np.flip(theirs_env.render(), (0, 1))
+    finally:
+        theirs_env.close()
+    assert ours.shape == theirs.shape == (480, 480, 3)
+    np.testing.assert_array_equal(ours, theirs)
+    # The fast style: the same camera and scene without shadows, reflections and skybox.
+    fast = metaworld.MetaWorldEnv("pick-place", (48, 48))
+    try:
+        fast.reset(seed)
+        assert fast.render().shape == (48, 48, 3)
+    finally:
+        fast.close()
+
+
+def test_protocol_limit_termination_and_prompts():
+    """500 steps (Meta-World's max_path_length), the first success ends an episode, LeRobot's prompts
+    by default and the project's on request."""
+    assert metaworld.STEP_LIMIT == 500 == metaworld.EvalSettings().limit
     env = metaworld.MetaWorldEnv("reach", (SIZE, SIZE))
     try:
-        result = metaworld.expert_episode(env, metaworld.episode_seed(0, "reach", 0), record=False)
+        assert env.max_path_length == metaworld.STEP_LIMIT
+        assert env.instruction == "Reach a goal position"
+        result = metaworld.expert_episode(env, metaworld.episode_seed(0, "reach", 0), record=True)
     finally:
         env.close()
     assert result.success and result.length < metaworld.STEP_LIMIT
+    success = result.episode[metaworld.SUCCESS_KEY]
+    assert success[-1] and not success[:-1].any()  # ended by its first success
+    project = metaworld.MetaWorldEnv("reach", (SIZE, SIZE), prompts="project")
+    try:
+        assert project.instruction == metaworld.INSTRUCTIONS["reach"]
+    finally:
+        project.close()
+    with pytest.raises(metaworld.MetaWorldError, match="prompts"):
+        metaworld.prompt("reach", "mine")
+    with pytest.raises(ValueError, match="max_path_length|ends its episodes"):
+        metaworld.evaluate(RecordingPolicy(), "metaworld:reach", metaworld.EvalSettings(episodes=1, envs=1, limit=501))
+
+
+def test_scripted_policy_and_dart_calibration():
     chosen, measured = metaworld.calibrate_noise("reach", levels=(0.1, 50.0), episodes=4)
     assert chosen == 0.1 and measured[0.1] == 1.0 and measured[50.0] < 0.9
 
@@ -85,17 +177,18 @@ def jsonable(batch):
 
 def test_evaluation_runs_in_metawords_environments_and_reports(tmp_path):
     policy = RecordingPolicy()
-    settings = metaworld.EvalSettings(episodes=1, envs=1, execute_steps=4, seed=1, videos=1, limit=20)
+    settings = metaworld.EvalSettings(episodes=1, envs=1, execute_steps=4, videos=1, limit=20)
     metrics = metaworld.evaluate(policy, "metaworld:pick-place", settings, image_size=(SIZE, SIZE), out_dir=tmp_path)
     assert len(policy.calls) == 5  # one batched call per decision: 20 steps / 4
     shapes, _ = policy.calls[0]
     assert shapes["observation.image"] == ((1, SIZE, SIZE, 3), "uint8")
     assert shapes["observation.state"] == ((1, 4), "float32")
-    assert shapes["task"] == [metaworld.INSTRUCTIONS["pick-place"]]
+    assert shapes["task"] == [metaworld.LEROBOT_DESCRIPTIONS["pick-place"]]
     assert policy.frames == [[0], [4], [8], [12], [16]]  # each decision's step since reset, as a robot sends it
     task = metrics["per_task"]["pick-place"]
     assert task["episodes"] == 1 and task["success_rate"] == 0.0 and task["mean_episode_length"] == 20
     assert metrics["per_difficulty"]["hard"]["episodes"] == 1 and metrics["success_ci95"][1] < 1.0
+    assert metrics["group_average"] == 0.0
     assert all(pathlib.Path(v).stat().st_size > 0 for v in metrics["videos"])
     assert pathlib.Path(metrics["frame_grid"]).stat().st_size > 0
     # Reproducible from its seed: the same observations, and the same policy seeds, again.
@@ -194,3 +287,42 @@ def test_learning_curve_plots_every_in_training_success_rate(tmp_path):
     blue = np.all(image == media.PLOT_COLORS[0], axis=-1)  # the overall series, drawn thicker
     assert blue.sum() > 200 and blue[:, :48].sum() == 0  # on the plot, not over the y labels
     assert plot_learning_curve(tmp_path / "absent.jsonl", tmp_path / "none.png", media) is None
+
+
+def test_an_evaluation_can_prompt_with_sentences_the_policy_never_trained_on():
+    policy = RecordingPolicy()
+    settings = metaworld.EvalSettings(episodes=1, envs=1, execute_steps=8, videos=0, limit=8, prompts="project")
+    metaworld.evaluate(policy, "metaworld:push", settings, image_size=(SIZE, SIZE))
+    (shapes, _), *_ = policy.calls
+    assert shapes["task"] == [metaworld.INSTRUCTIONS["push"]] != [metaworld.LEROBOT_DESCRIPTIONS["push"]]
+
+
+def test_the_mt50_experiments_follow_lerobots_protocol():
+    """MT50: the 50 tasks, 10 test-seed episodes each, LeRobot's prompts and 500-step episodes,
+    demonstrations without noise; in-training evaluation on the validation seed; GR00T the same."""
+    from experiments.metaworld import metaworld_instructions, metaworld_mt10, metaworld_mt50, metaworld_mt50_gr00t
+
+    for factory in (metaworld_mt50, metaworld_mt50_gr00t):
+        config = factory()
+        assert metaworld.parse_tasks(config.tasks) == metaworld.MT50
+        assert config.eval_episodes == 10 and config.collect_noise == 0.0 and config.prompts == "lerobot"
+        assert config.evaluation.seed == metaworld.VALIDATION_SEED and config.evaluation.limit == metaworld.STEP_LIMIT
+    assert type(metaworld_mt50_gr00t().model).__name__ == "Gr00tConfig"
+    assert metaworld_mt10().eval_episodes == 50
+    words = set(" ".join(metaworld_instructions()).split())
+    assert {"Pick", "puck", "slide"} <= words  # both prompt sets reach the tokenizer
+
+
+def test_the_learning_curve_of_mt50_shows_the_difficulty_groups(tmp_path):
+    from experiments.metaworld import plot_learning_curve
+
+    rows = [
+        {"step": 10, "eval/metaworld/success_rate": 0.1, "eval/metaworld/hard/success_rate": 0.0},
+        {"step": 20, "eval/metaworld/success_rate": 0.3, "eval/metaworld/reach/success_rate": 1.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    drawn = []
+    spy = type("Media", (), {"line_plot": staticmethod(lambda series, title: drawn.append(series) or title)})
+    spy.write_png = staticmethod(lambda out, image: out)
+    plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "c.png", spy, groups_only=True)
+    assert set(drawn[0]) == {"metaworld", "metaworld/hard"}

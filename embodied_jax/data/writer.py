@@ -42,13 +42,19 @@ def write_lerobot_dataset(
     episodes_per_file: int | None = None,
     chunk_size: int = 1000,
     modality: Mapping | None = None,
+    image_shape_order: str = "hwc",
 ) -> pathlib.Path:
     """Writes `episodes` as a LeRobot dataset under `root` and returns `root`.
 
     Each episode maps ``"task"`` to a string, ``"observation.state"`` and ``"action"`` to
     float32 [T, D] arrays, any ``"observation.images.<camera>"`` (or a single ``"observation.image"``)
-    to uint8 [T, H, W, 3], and optional extra per-frame float32 features [T, ...].
+    to uint8 [T, H, W, 3], and optional extra per-frame features [T, ...]: bool and integer arrays
+    keep their dtype (``next.success``, ``task_id``), anything else is float32.
+    ``image_shape_order``: how info.json states a camera's shape, ``"hwc"`` or ``"chw"`` (as some
+    hub datasets do, ``lerobot/metaworld_mt50`` among them); the frames are the same.
     """
+    if image_shape_order not in ("hwc", "chw"):
+        raise ValueError(f"image_shape_order must be 'hwc' or 'chw', got {image_shape_order!r}")
     if version not in (fmt.V21, fmt.V30):
         raise ValueError(f"version must be {fmt.V21!r} or {fmt.V30!r}, got {version!r}")
     if image_storage not in ("video", "png"):
@@ -57,7 +63,7 @@ def write_lerobot_dataset(
         raise ValueError("no episodes to write")
     root = pathlib.Path(root)
     (root / "meta").mkdir(parents=True, exist_ok=True)
-    features, cameras, vectors = _features(episodes, fps, codec, image_storage)
+    features, cameras, vectors = _features(episodes, fps, codec, image_storage, image_shape_order)
     tasks: dict[str, int] = {}
     for episode in episodes:
         tasks.setdefault(str(episode["task"]), len(tasks))
@@ -122,7 +128,14 @@ def write_lerobot_dataset(
     return root
 
 
-def _features(episodes, fps, codec, image_storage):
+def _vector_dtype(array: np.ndarray) -> np.dtype:
+    """What a non-camera feature is stored as: bool and integer dtypes as they are, else float32."""
+    if array.dtype == np.bool_ or np.issubdtype(array.dtype, np.integer):
+        return array.dtype
+    return np.dtype(np.float32)
+
+
+def _features(episodes, fps, codec, image_storage, image_shape_order="hwc"):
     first = episodes[0]
     for required in ("task", "observation.state", "action"):
         if required not in first:
@@ -148,6 +161,12 @@ def _features(episodes, fps, codec, image_storage):
                     "has_audio": False,
                 },
             }
+        elif image_shape_order == "chw":
+            features[key] = {
+                "dtype": "image",
+                "shape": [3, int(height), int(width)],
+                "names": ["channels", "height", "width"],
+            }
         else:
             features[key] = {
                 "dtype": "image",
@@ -157,8 +176,8 @@ def _features(episodes, fps, codec, image_storage):
     for key in vectors:
         array = np.asarray(first[key])
         shape = list(array.shape[1:]) or [1]
-        names = [f"{key.split('.')[-1]}_{i}" for i in range(shape[0])] if len(shape) == 1 else None
-        features[key] = {"dtype": "float32", "shape": shape, "names": names}
+        names = [f"{key.split('.')[-1]}_{i}" for i in range(shape[0])] if len(shape) == 1 and shape[0] > 1 else None
+        features[key] = {"dtype": str(_vector_dtype(array)), "shape": shape, "names": names}
     for key, dtype in (
         (fmt.TIMESTAMP, "float32"),
         (fmt.FRAME_INDEX, "int64"),
@@ -191,7 +210,13 @@ def _episode_table(episode_index, episode, start, fps, tasks, vectors, cameras, 
     length = len(episode["action"])
     columns: dict[str, pa.Array] = {}
     for key in vectors:
-        columns[key] = _float_column(np.asarray(episode[key]))
+        array = np.asarray(episode[key])
+        if _vector_dtype(array) == np.float32:
+            columns[key] = _float_column(array)
+        elif array.ndim == 1:
+            columns[key] = pa.array(array.astype(_vector_dtype(array)))
+        else:
+            raise ValueError(f"{key!r}: a {array.dtype} feature holds one value per frame, got shape {array.shape[1:]}")
     if image_storage == "png":
         image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
         for key in cameras:

@@ -1,4 +1,7 @@
-"""Meta-World's scripted policies as LeRobot demonstrations, with DART noise calibrated per task."""
+"""Meta-World's scripted policies as LeRobot demonstrations in ``lerobot/metaworld_mt50``'s layout:
+the image, the 4-D state and action, the 39-value environment state, ``next.reward``,
+``next.success`` and ``task_id``; no noise by default (as the hub's), DART noise calibrated per task
+on request."""
 
 from __future__ import annotations
 
@@ -13,13 +16,20 @@ import numpy as np
 from embodied_jax.sim.metaworld.env import MetaWorldEnv, check_gl
 from embodied_jax.sim.metaworld.suite import (
     ACTION_KEY,
+    CALIBRATION_SEED,
+    COLLECTION_SEED,
+    ENV_STATE_KEY,
     FPS,
     IMAGE_KEY,
+    REWARD_KEY,
     ROBOT_TYPE,
     STATE_KEY,
     STEP_LIMIT,
+    SUCCESS_KEY,
+    TASK_ID_KEY,
     episode_seed,
     parse_tasks,
+    task_id,
 )
 
 NOISE_LEVELS = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -39,29 +49,38 @@ def expert_episode(
 ) -> ExpertResult:
     """Meta-World's scripted policy for one episode. ``noise``: std of Gaussian noise on the
     executed end-effector delta (DART; the recorded action stays the expert's). Frame t holds
-    the observation before action t; the episode ends with the action that succeeded."""
+    the observation before action t, and ``next.reward`` / ``next.success`` what action t led to;
+    the episode ends with the action that succeeded, or at ``limit`` steps."""
     env.reset(seed)
     rng = np.random.default_rng(seed)
-    states, actions, frames = [], [], []
+    rows: dict[str, list] = {k: [] for k in (STATE_KEY, ENV_STATE_KEY, ACTION_KEY, IMAGE_KEY, REWARD_KEY, SUCCESS_KEY)}
     success, length = False, 0
     while length < limit and not success:
         action = env.expert_action()
         if record:
-            states.append(env.state())
-            actions.append(action)
-            frames.append(env.render())
+            rows[STATE_KEY].append(env.state())
+            rows[ENV_STATE_KEY].append(env.environment_state())
+            rows[ACTION_KEY].append(action)
+            rows[IMAGE_KEY].append(env.render())
         executed = action.copy()
         if noise:
             executed[:3] += noise * rng.standard_normal(3)
         success = env.step(executed)
         length += 1
+        if record:
+            rows[REWARD_KEY].append(env.reward)
+            rows[SUCCESS_KEY].append(success)
     episode = None
     if record:
         episode = {
             "task": env.instruction,
-            STATE_KEY: np.stack(states),
-            ACTION_KEY: np.clip(np.stack(actions), -1.0, 1.0).astype(np.float32),
-            IMAGE_KEY: np.stack(frames),
+            STATE_KEY: np.stack(rows[STATE_KEY]),
+            ENV_STATE_KEY: np.stack(rows[ENV_STATE_KEY]),
+            ACTION_KEY: np.clip(np.stack(rows[ACTION_KEY]), -1.0, 1.0).astype(np.float32),
+            IMAGE_KEY: np.stack(rows[IMAGE_KEY]),
+            REWARD_KEY: np.asarray(rows[REWARD_KEY], np.float32),
+            SUCCESS_KEY: np.asarray(rows[SUCCESS_KEY], bool),
+            TASK_ID_KEY: np.full(length, task_id(env.task), np.int16),
         }
     return ExpertResult(success, length, episode)
 
@@ -72,17 +91,17 @@ def calibrate_noise(
     target: float = DART_TARGET,
     levels: Sequence[float] = NOISE_LEVELS,
     episodes: int = CALIBRATION_EPISODES,
-    seed: int = 0,
+    seed: int = CALIBRATION_SEED,
 ) -> tuple[float, dict[float, float]]:
     """The largest of ``levels`` (ascending; stops at the first miss) at which the noisy scripted
     policy succeeds in at least ``target`` of ``episodes`` (no rendering), 0.0 if none; and the
-    success rate measured at each level tried (seeds apart from collection's and evaluation's)."""
+    success rate measured at each level tried (on the calibration seed, apart from every other)."""
     env = MetaWorldEnv(task)
     chosen, measured = 0.0, {}
     try:
         for level in sorted(levels):
             wins = sum(
-                expert_episode(env, episode_seed(seed + 1000, task, i), noise=level, record=False).success
+                expert_episode(env, episode_seed(seed, task, i), noise=level, record=False).success
                 for i in range(episodes)
             )
             measured[level] = wins / episodes
@@ -100,23 +119,28 @@ def collect(
     out: str | os.PathLike,
     *,
     image_size: tuple[int, int] = (64, 64),
-    seed: int = 0,
-    noise: float | None = None,
+    seed: int = COLLECTION_SEED,
+    noise: float | None = 0.0,
     keep_failures: bool = False,
     max_attempts: int | None = None,
     image_storage: str = "png",
     codec: str = "h264",
     max_steps: int = STEP_LIMIT,
+    prompts: str = "lerobot",
+    render_style: str = "fast",
     log: Callable[[str], None] = print,
 ) -> pathlib.Path:
-    """``episodes`` scripted demonstrations per task written as one LeRobot v3.0 dataset.
+    """``episodes`` scripted demonstrations per task written as one LeRobot v3.0 dataset in
+    ``lerobot/metaworld_mt50``'s layout (its features, dtypes and 80 fps; images at ``image_size``,
+    480 for the hub's).
 
-    ``noise``: DART std in action units for every task; None: calibrated per task
-    (:func:`calibrate_noise`, printed). Episode ``i`` of a task resets with
+    ``noise``: DART std in action units for every task (0: none, as the hub's dataset); None:
+    calibrated per task (:func:`calibrate_noise`, printed). Episode ``i`` of a task resets with
     ``episode_seed(seed, task, i)``; failed episodes are skipped (unless ``keep_failures``) and
     the next seed tried, at most ``max_attempts`` (default 2 x episodes + 10) per task. Frames are
-    lossless PNG by default (``image_storage="video"``: mp4 in ``codec``). ``max_steps``: the
-    episode's step limit (:data:`STEP_LIMIT`, the evaluation's; lower only for quick checks)."""
+    lossless PNG by default, as the hub stores them (``image_storage="video"``: mp4 in ``codec``).
+    ``max_steps``: the episode's step limit (:data:`STEP_LIMIT`, the evaluation's; lower only for
+    quick checks). ``prompts`` and ``render_style``: as :class:`MetaWorldEnv` takes them."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
     names = parse_tasks(tasks) if isinstance(tasks, str) else tuple(tasks)
@@ -129,10 +153,10 @@ def collect(
     for task in names:
         level = noise
         if level is None:
-            level, measured = calibrate_noise(task, seed=seed)
+            level, measured = calibrate_noise(task, seed=CALIBRATION_SEED + seed)
             table = ", ".join(f"{k:g}: {v:.0%}" for k, v in measured.items())
             log(f"metaworld:{task}: scripted success by DART noise ({CALIBRATION_EPISODES} episodes each): {table}")
-        env = MetaWorldEnv(task, image_size)
+        env = MetaWorldEnv(task, image_size, prompts=prompts, render_style=render_style)
         kept, attempts, wins = 0, 0, 0
         limit = max_attempts or 2 * episodes + 10
         try:
@@ -151,4 +175,13 @@ def collect(
         )
         if kept < episodes:
             raise RuntimeError(f"metaworld:{task}: only {kept} successful episodes in {attempts} attempts")
-    return write_lerobot_dataset(out, recorded, fps=FPS, version="v3.0", image_storage="png", robot_type=ROBOT_TYPE)
+    return write_lerobot_dataset(
+        out,
+        recorded,
+        fps=FPS,
+        version="v3.0",
+        image_storage=image_storage,
+        codec=codec,
+        robot_type=ROBOT_TYPE,
+        image_shape_order="chw",
+    )

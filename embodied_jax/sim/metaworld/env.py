@@ -1,5 +1,5 @@
-"""Meta-World's own environments, run unchanged: the import adapted to this MuJoCo (the weld
-width), headless OpenGL, and one task's environment reset from a seed and rendered upright."""
+"""Meta-World's own environments, built as LeRobot builds them: the import adapted to this MuJoCo
+(the weld width), headless OpenGL, and one task's environment reset from a seed and rendered upright."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import warnings
 
 import numpy as np
 
-from embodied_jax.sim.metaworld.suite import CAMERA, INSTALL, INSTRUCTIONS, VERSION, MetaWorldError
+from embodied_jax.sim.metaworld.suite import (
+    CAMERA,
+    CAMERA_POS,
+    INSTALL,
+    INSTRUCTIONS,
+    MT1_SEED,
+    VERSION,
+    MetaWorldError,
+    prompt,
+)
 
 _WELD = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 5.0)  # what Meta-World writes per weld
 
@@ -106,40 +115,87 @@ def check_gl() -> str:
     return backend
 
 
-class MetaWorldEnv:
-    """One Meta-World task in its own (goal-observable) environment, reset from a seed, rendering
-    ``corner2`` upright at ``image_size``; ``expert_action`` is Meta-World's scripted policy."""
+RENDER_STYLES = ("fast", "lerobot")
 
-    def __init__(self, task: str, image_size: tuple[int, int] = (64, 64)):
-        metaworld = adapt()
+
+@functools.cache
+def lerobot_task(task: str):
+    """``(train class, train_tasks[0])`` of ``MT1(task, seed=42)``: what LeRobot builds each environment from."""
+    metaworld = adapt()
+    benchmark = metaworld.MT1(f"{task}-v3", seed=MT1_SEED)
+    return benchmark.train_classes[f"{task}-v3"], benchmark.train_tasks[0]
+
+
+class MetaWorldEnv:
+    """One Meta-World task built as LeRobot builds it, reset from a seed, rendering ``corner2``
+    upright at ``image_size``; ``expert_action`` is Meta-World's scripted policy.
+
+    LeRobot's construction: ``MT1(task, seed=42)``'s train class with ``set_task(train_tasks[0])``,
+    ``corner2`` moved to :data:`CAMERA_POS` before the first reset, then randomised resets
+    (``_freeze_rand_vec = False``, seeded). ``render_style``: ``"lerobot"`` renders as Meta-World's
+    own renderer does (shadows, reflections, skybox; at 480x480 pixel for pixel LeRobot's frame),
+    ``"fast"`` with those three off (the same camera, about 3-5x cheaper on a CPU).
+    ``prompts``: ``"lerobot"`` (LeRobot's task descriptions) or ``"project"`` (the project's own)."""
+
+    def __init__(
+        self,
+        task: str,
+        image_size: tuple[int, int] = (64, 64),
+        *,
+        prompts: str = "lerobot",
+        render_style: str = "fast",
+    ):
         from metaworld.policies import ENV_POLICY_MAP
 
         if task not in INSTRUCTIONS:
             raise MetaWorldError(f"unknown Meta-World task {task!r}")
+        if render_style not in RENDER_STYLES:
+            raise MetaWorldError(f"render_style={render_style!r}: one of {', '.join(RENDER_STYLES)}")
         self.task, self.image_size = task, tuple(int(x) for x in image_size)
-        self.instruction = INSTRUCTIONS[task]
-        self._env = metaworld.ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[f"{task}-v3-goal-observable"]()
+        if len(self.image_size) != 2 or min(self.image_size) < 1:
+            raise MetaWorldError(f"image_size={image_size}: (height, width), both >= 1")
+        self.instruction = prompt(task, prompts)
+        self.render_style = render_style
+        env_class, first_task = lerobot_task(task)
+        env = env_class(render_mode="rgb_array", camera_name=CAMERA)
+        env.set_task(first_task)
+        import mujoco
+
+        env.model.cam_pos[mujoco.mj_name2id(env.model, mujoco.mjtObj.mjOBJ_CAMERA, CAMERA)] = CAMERA_POS
+        env.reset()
+        env._freeze_rand_vec = False  # draw the object and goal positions at every reset...
+        env.seeded_rand_vec = True  # ...from the generator that reset's seed sets
+        self._env = env
         self._expert = ENV_POLICY_MAP[f"{task}-v3"]()
         self._renderer = None
         self.obs: np.ndarray | None = None
+        self.reward = 0.0
+
+    @property
+    def max_path_length(self) -> int:
+        return int(self._env.max_path_length)
 
     def reset(self, seed: int) -> np.ndarray:
-        env = self._env
-        env._freeze_rand_vec = False  # draw the object and goal positions from the seeded generator
-        env.seeded_rand_vec = True
-        env.seed(int(seed))
-        self.obs, _ = env.reset()
+        self._env.seed(int(seed))
+        self.obs, _ = self._env.reset(seed=int(seed))
+        self.reward = 0.0
         return self.obs
 
     def step(self, action: np.ndarray) -> bool:
-        """Execute one action (clipped to [-1, 1]); True on success."""
+        """Execute one action (clipped to [-1, 1]); True on success (``info["success"]``)."""
         action = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
-        self.obs, _, _, _, info = self._env.step(action)
+        self.obs, reward, _, _, info = self._env.step(action)
+        self.reward = float(reward)
         return bool(info["success"])
 
     def state(self) -> np.ndarray:
         """float32 [4]: end-effector position and gripper opening (the policy's proprioception)."""
         return np.asarray(self.obs[:4], np.float32)
+
+    def environment_state(self) -> np.ndarray:
+        """float32 [39]: Meta-World's whole observation (hand, objects, goal; LeRobot's
+        ``observation.environment_state``). Privileged: datasets keep it, policies never see it."""
+        return np.asarray(self.obs, np.float32)
 
     def expert_action(self) -> np.ndarray:
         with warnings.catch_warnings():  # its gains exceed [-1, 1] by design; actions are clipped on execution
@@ -147,7 +203,7 @@ class MetaWorldEnv:
             return np.asarray(self._expert.get_action(self.obs), np.float32)
 
     def render(self) -> np.ndarray:
-        """uint8 [H, W, 3]: ``corner2``, upright (MuJoCo renders it upside down)."""
+        """uint8 [H, W, 3]: ``corner2``, flipped on both axes as LeRobot does (MuJoCo renders it upside down)."""
         import mujoco
 
         if self._renderer is None:
@@ -158,12 +214,13 @@ class MetaWorldEnv:
             self._renderer = mujoco.Renderer(self._env.model, height, width)
         renderer = self._renderer
         renderer.update_scene(self._env.data, camera=CAMERA)
-        for flag in (
-            mujoco.mjtRndFlag.mjRND_SHADOW,
-            mujoco.mjtRndFlag.mjRND_REFLECTION,
-            mujoco.mjtRndFlag.mjRND_SKYBOX,
-        ):
-            renderer.scene.flags[flag] = 0
+        if self.render_style == "fast":
+            for flag in (
+                mujoco.mjtRndFlag.mjRND_SHADOW,
+                mujoco.mjtRndFlag.mjRND_REFLECTION,
+                mujoco.mjtRndFlag.mjRND_SKYBOX,
+            ):
+                renderer.scene.flags[flag] = 0
         return np.ascontiguousarray(renderer.render()[::-1, ::-1])
 
     def close(self) -> None:

@@ -1,0 +1,63 @@
+"""``--record`` for learning results: one JSON row per run in ``experiments/benchmarks/results/<name>.jsonl``.
+
+A row holds what an outsider needs to rerun and judge the figure: the commit (``-dirty`` and
+``"clean": false`` when the tree had uncommitted changes; the docs' tables take clean rows only),
+the hash of the run's whole config and the command-line overrides, the seeds (training and each
+evaluation's), the episodes, success with its 95% interval, the wall time split into collection,
+training and evaluation, and the machine (whether other work shared it is the recorder's word:
+``--shared-machine``, a field of the row).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import pathlib
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from embodied_jax import config_registry
+from experiments.benchmarks.harness import RESULTS, _commit, machine
+
+
+def config_hash(config: Any) -> str:
+    """sha256 (first 16 hex digits) of the config as it is saved (``config_registry.to_dict``)."""
+    payload = json.dumps(config_registry.to_dict(config), sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def success_row(
+    name: str,
+    config: Any,
+    *,
+    result: Mapping[str, Any],
+    seeds: Mapping[str, Any],
+    wall_s: Mapping[str, float],
+    overrides: list[str] | None = None,
+    shared_machine: bool = False,
+) -> dict[str, Any]:
+    commit = _commit()
+    return {
+        "benchmark": name,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit,
+        "clean": bool(commit) and not commit.endswith("-dirty"),
+        "config_hash": config_hash(config),
+        "overrides": list(sys.argv[2:] if overrides is None else overrides),
+        "seeds": dict(seeds),
+        "wall_s": {k: round(float(v), 1) for k, v in wall_s.items()},
+        "machine": {**machine(matmul_rate=False), "shared": bool(shared_machine)},
+        "command": f"python -m experiments.launch {name} " + " ".join(sys.argv[2:] if overrides is None else overrides),
+        "result": dict(result),
+    }
+
+
+def append(row: Mapping[str, Any], results: pathlib.Path = RESULTS) -> pathlib.Path:
+    """Append ``row`` to ``<results>/<benchmark>.jsonl``; returns the file."""
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{row['benchmark']}.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(row, default=float) + "\n")
+    return path
