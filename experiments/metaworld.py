@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import time
 
@@ -53,8 +54,10 @@ class MetaWorldConfig(ExperimentConfig):
     episodes: int = 50  # scripted demonstrations per task
     collect_noise: float | None = 0.0  # DART std in action units; 0: none, as the hub's; None: calibrated per task
     prompts: str = "lerobot"  # the prompts trained and evaluated with: LeRobot's descriptions, or "project"
+    collect_workers: int = 0  # tasks collected in that many processes at once; 0: one per CPU core
     dataset: str | None = None  # a LeRobot dataset in the hub's layout to train on instead of collecting
-    eval_episodes: int = 50  # per task, final evaluation (on the test seed)
+    eval_episodes: int = 50  # per task, final evaluation
+    eval_seed: int | None = None  # the final evaluation's reset seed: None, the test seed; 2 (validation) for levers
     eval_envs: int = 10  # environments stepped together per policy call
     num_videos: int = 1  # per task
     untrained_episodes: int = 0  # per task: the untrained policy's score beside the result (0: skip)
@@ -145,6 +148,7 @@ def run_metaworld(config: MetaWorldConfig) -> int:
             noise=config.collect_noise,
             prompts=config.prompts,
             render_style=config.evaluation.render_style,
+            workers=config.collect_workers or os.cpu_count() or 1,
         )
     collection_s = time.perf_counter() - t0
     print(f"      collection: {collection_s / 60:.1f} min", flush=True)
@@ -175,10 +179,12 @@ def run_metaworld(config: MetaWorldConfig) -> int:
     if config.eval_envs == 0:
         print("[3/4] final evaluation skipped (--eval-envs 0)")
         return 0
-    print(f"[3/4] evaluating on {len(names)} tasks x {config.eval_episodes} episodes (test seed) ...", flush=True)
+    which = "test" if config.eval_seed in (None, metaworld.TEST_SEED) else f"seed {config.eval_seed}"
+    print(f"[3/4] evaluating on {len(names)} tasks x {config.eval_episodes} episodes ({which}) ...", flush=True)
     t2 = time.perf_counter()
     bundle = load_policy(workdir)
     kwargs = dict(
+        seed=config.eval_seed,
         episodes=config.eval_episodes,
         envs=config.eval_envs,
         execute_steps=config.evaluation.execute_steps,

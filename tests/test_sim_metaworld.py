@@ -153,6 +153,26 @@ def test_protocol_limit_termination_and_prompts():
         metaworld.evaluate(RecordingPolicy(), "metaworld:reach", metaworld.EvalSettings(episodes=1, envs=1, limit=501))
 
 
+def test_tasks_collected_in_parallel_make_the_same_dataset(tmp_path):
+    from embodied_jax.data.lerobot import LeRobotDataset
+
+    kwargs = dict(image_size=(SIZE, SIZE), max_steps=6, keep_failures=True, log=lambda line: None)
+    serial = LeRobotDataset(metaworld.collect(["reach", "push"], 1, tmp_path / "serial", **kwargs))
+    parallel = LeRobotDataset(metaworld.collect(["reach", "push"], 1, tmp_path / "parallel", workers=2, **kwargs))
+    assert list(parallel.tasks) == list(serial.tasks) and parallel.num_frames == serial.num_frames == 12
+    for episode in range(2):
+        for key in (metaworld.ACTION_KEY, metaworld.ENV_STATE_KEY):
+            np.testing.assert_array_equal(parallel.episode_array(episode, key), serial.episode_array(episode, key))
+        np.testing.assert_array_equal(
+            parallel.images(episode, metaworld.IMAGE_KEY, [5]), serial.images(episode, metaworld.IMAGE_KEY, [5])
+        )
+    from embodied_jax.sim.metaworld.collect import check_memory
+
+    with pytest.raises(metaworld.MetaWorldError, match="smaller --image-size"):  # MT50 at LeRobot's 480 px
+        check_memory(50, 50, (480, 480), available=24 * 2**30)
+    check_memory(50, 50, (64, 64), available=24 * 2**30)
+
+
 def test_scripted_policy_and_dart_calibration():
     chosen, measured = metaworld.calibrate_noise("reach", levels=(0.1, 50.0), episodes=4)
     assert chosen == 0.1 and measured[0.1] == 1.0 and measured[50.0] < 0.9

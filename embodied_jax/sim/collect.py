@@ -23,7 +23,9 @@ DART: ``--noise`` perturbs the executed hand positions while the recorded action
 expert's, so the demonstrations show recoveries. Its default is the task's calibrated level
 (``Task.dart_noise``: the largest of ``NOISE_LEVELS`` at which the noisy expert still succeeds in
 at least ``DART_TARGET`` of its episodes); ``--noise auto`` measures it again
-(:func:`calibrate_noise`). Collection prints the noisy expert's success rate.
+(:func:`calibrate_noise`). Collection prints the noisy expert's success rate. ``metaworld:`` tasks
+collect without noise by default, as the hub's ``lerobot/metaworld_mt50`` was made (``--noise X``
+in action units, or ``auto``).
 """
 
 from __future__ import annotations
@@ -307,13 +309,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-steps",
         type=int,
         default=None,
-        help="metaworld: tasks only: steps per episode (default: the evaluation's limit, 200)",
+        help="metaworld: tasks only: steps per episode (default: the evaluation's limit, 500)",
     )
     parser.add_argument(
         "--noise",
         default=None,
         help="std (metres) of DART noise on executed hand positions (recorded actions stay the expert's); "
         "'auto': calibrate it now; default: the task's calibrated level",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="metaworld: tasks only: tasks collected in that many processes at once"
+    )
+    parser.add_argument(
+        "--prompts",
+        choices=("lerobot", "project"),
+        default="lerobot",
+        help="metaworld: tasks only: LeRobot's task descriptions (default) or the project's own sentences",
+    )
+    parser.add_argument(
+        "--render-style",
+        choices=("fast", "lerobot"),
+        default="fast",
+        help="metaworld: tasks only: 'lerobot' renders with Meta-World's own settings (LeRobot's frames at 480)",
     )
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
@@ -341,10 +358,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.out,
                 image_size=size,
                 seed=args.seed,
-                noise=None if noise == "auto" else noise,
+                noise=None if noise == "auto" else 0.0 if noise is None else noise,  # none by default, as the hub's
                 keep_failures=args.keep_failures,
                 image_storage=args.image_storage,
                 codec=args.codec,
+                workers=args.workers,
+                prompts=args.prompts,
+                render_style=args.render_style,
                 **({} if args.max_steps is None else {"max_steps": args.max_steps}),
             )
             print(f"wrote {args.episodes} episodes of each of {args.task} to {root}")

@@ -27,6 +27,7 @@ from embodied_jax.sim.metaworld.suite import (
     STEP_LIMIT,
     SUCCESS_KEY,
     TASK_ID_KEY,
+    MetaWorldError,
     episode_seed,
     parse_tasks,
     task_id,
@@ -113,6 +114,72 @@ def calibrate_noise(
     return chosen, measured
 
 
+HUB_FRAMES_PER_EPISODE = 82  # lerobot/metaworld_mt50: 204,806 frames in 2500 episodes
+
+
+@dataclasses.dataclass(frozen=True)
+class _TaskJob:
+    task: str
+    episodes: int
+    image_size: tuple[int, int]
+    seed: int
+    noise: float | None
+    keep_failures: bool
+    max_attempts: int
+    max_steps: int
+    prompts: str
+    render_style: str
+
+
+def _collect_task(job: _TaskJob) -> tuple[list[str], list[dict]]:
+    """One task's demonstrations (and the lines to print): its own process when collecting in parallel."""
+    lines, recorded = [], []
+    level = job.noise
+    if level is None:
+        level, measured = calibrate_noise(job.task, seed=CALIBRATION_SEED + job.seed)
+        table = ", ".join(f"{k:g}: {v:.0%}" for k, v in measured.items())
+        lines.append(
+            f"metaworld:{job.task}: scripted success by DART noise ({CALIBRATION_EPISODES} episodes each): {table}"
+        )
+    env = MetaWorldEnv(job.task, job.image_size, prompts=job.prompts, render_style=job.render_style)
+    kept, attempts, wins = 0, 0, 0
+    try:
+        while kept < job.episodes and attempts < job.max_attempts:
+            seed = episode_seed(job.seed, job.task, attempts)
+            result = expert_episode(env, seed, noise=level, limit=job.max_steps)
+            attempts += 1
+            wins += result.success
+            if result.success or job.keep_failures:
+                recorded.append(result.episode)
+                kept += 1
+    finally:
+        env.close()
+    lines.append(
+        f"metaworld:{job.task}: scripted policy succeeded in {wins} of {attempts} episodes ({wins / attempts:.1%}) "
+        f"at DART noise {level:g}"
+    )
+    if kept < job.episodes:
+        raise RuntimeError(f"metaworld:{job.task}: only {kept} successful episodes in {attempts} attempts")
+    return lines, recorded
+
+
+def check_memory(tasks: int, episodes: int, image_size: tuple[int, int], available: int | None = None) -> None:
+    """Refuse a collection whose frames (held in memory until the dataset is written) would take more
+    than half of the available memory, at the hub dataset's mean episode length."""
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return
+    needed = tasks * episodes * HUB_FRAMES_PER_EPISODE * int(np.prod(image_size)) * 3
+    if needed > available // 2:
+        raise MetaWorldError(
+            f"{tasks} tasks x {episodes} episodes at {image_size[0]}x{image_size[1]} hold about "
+            f"{needed / 2**30:.1f} GiB of frames until the dataset is written, more than half of the "
+            f"{available / 2**30:.1f} GiB available: collect fewer tasks per dataset or at a smaller --image-size"
+        )
+
+
 def collect(
     tasks: str | Sequence[str],
     episodes: int,
@@ -128,6 +195,7 @@ def collect(
     max_steps: int = STEP_LIMIT,
     prompts: str = "lerobot",
     render_style: str = "fast",
+    workers: int = 1,
     log: Callable[[str], None] = print,
 ) -> pathlib.Path:
     """``episodes`` scripted demonstrations per task written as one LeRobot v3.0 dataset in
@@ -140,41 +208,51 @@ def collect(
     the next seed tried, at most ``max_attempts`` (default 2 x episodes + 10) per task. Frames are
     lossless PNG by default, as the hub stores them (``image_storage="video"``: mp4 in ``codec``).
     ``max_steps``: the episode's step limit (:data:`STEP_LIMIT`, the evaluation's; lower only for
-    quick checks). ``prompts`` and ``render_style``: as :class:`MetaWorldEnv` takes them."""
+    quick checks). ``prompts`` and ``render_style``: as :class:`MetaWorldEnv` takes them.
+    ``workers``: tasks collected in that many processes at once (the dataset is the same)."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
     names = parse_tasks(tasks) if isinstance(tasks, str) else tuple(tasks)
-    if episodes < 1 or max_steps < 1:
-        raise ValueError(f"episodes ({episodes}) and max_steps ({max_steps}) must be >= 1")
+    if episodes < 1 or max_steps < 1 or workers < 1:
+        raise ValueError(f"episodes ({episodes}), max_steps ({max_steps}) and workers ({workers}) must be >= 1")
     check_gl()
     if noise is not None and not (np.isfinite(noise) and noise >= 0):
         raise ValueError(f"noise={noise}: a finite std in action units, >= 0")
-    recorded: list[dict] = []
-    for task in names:
-        level = noise
-        if level is None:
-            level, measured = calibrate_noise(task, seed=CALIBRATION_SEED + seed)
-            table = ", ".join(f"{k:g}: {v:.0%}" for k, v in measured.items())
-            log(f"metaworld:{task}: scripted success by DART noise ({CALIBRATION_EPISODES} episodes each): {table}")
-        env = MetaWorldEnv(task, image_size, prompts=prompts, render_style=render_style)
-        kept, attempts, wins = 0, 0, 0
-        limit = max_attempts or 2 * episodes + 10
-        try:
-            while kept < episodes and attempts < limit:
-                result = expert_episode(env, episode_seed(seed, task, attempts), noise=level, limit=max_steps)
-                attempts += 1
-                wins += result.success
-                if result.success or keep_failures:
-                    recorded.append(result.episode)
-                    kept += 1
-        finally:
-            env.close()
-        log(
-            f"metaworld:{task}: scripted policy succeeded in {wins} of {attempts} episodes ({wins / attempts:.1%}) "
-            f"at DART noise {level:g}"
+    check_memory(len(names), episodes, tuple(image_size))
+    jobs = [
+        _TaskJob(
+            task,
+            episodes,
+            tuple(int(x) for x in image_size),
+            seed,
+            noise,
+            keep_failures,
+            max_attempts or 2 * episodes + 10,
+            max_steps,
+            prompts,
+            render_style,
         )
-        if kept < episodes:
-            raise RuntimeError(f"metaworld:{task}: only {kept} successful episodes in {attempts} attempts")
+        for task in names
+    ]
+    recorded: list[dict] = []
+    if workers == 1 or len(jobs) == 1:
+        results = map(_collect_task, jobs)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        pool = concurrent.futures.ProcessPoolExecutor(
+            min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")
+        )
+        results = pool.map(_collect_task, jobs)
+    try:
+        for lines, episodes_of_task in results:  # in task order, whatever the workers' order
+            for line in lines:
+                log(line)
+            recorded += episodes_of_task
+    finally:
+        if workers > 1 and len(jobs) > 1:
+            pool.shutdown(cancel_futures=True)
     return write_lerobot_dataset(
         out,
         recorded,
