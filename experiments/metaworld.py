@@ -101,6 +101,18 @@ def dataset_image_size(root: pathlib.Path) -> tuple[int, int]:
     return height, width
 
 
+def evaluation_for_frames(evaluation: MetaWorldEvaluation, size: tuple[int, int]) -> MetaWorldEvaluation:
+    """The evaluation of a policy trained on frames of ``size`` (a dataset not collected by this run):
+    it renders at that size (LeRobot's style at LeRobot's 480) and the bundle resizes the frames
+    exactly as training did."""
+    from embodied_jax.sim import metaworld
+
+    if tuple(size) == tuple(evaluation.image_size):
+        return evaluation
+    style = "lerobot" if tuple(size) == metaworld.LEROBOT_IMAGE_SIZE else evaluation.render_style
+    return dataclasses.replace(evaluation, image_size=tuple(size), render_style=style)
+
+
 def build_prompt_tokenizer(config: MetaWorldConfig, workdir: pathlib.Path) -> pathlib.Path:
     """The family's word-level tokenizer over both prompt sets' words: an evaluation may use the
     prompts the policy never trained on."""
@@ -154,11 +166,8 @@ def run_metaworld(config: MetaWorldConfig) -> int:
     print(f"      collection: {collection_s / 60:.1f} min", flush=True)
     tokenizer = build_prompt_tokenizer(config, workdir)
     evaluation = dataclasses.replace(config.evaluation, tasks=config.tasks, prompts=config.prompts)
-    rendered = dataset_image_size(dataset)
-    if config.dataset and rendered != tuple(evaluation.image_size):
-        # The policy saw frames rendered at the dataset's size and resized by its transform: render the same.
-        style = "lerobot" if rendered == metaworld.LEROBOT_IMAGE_SIZE else evaluation.render_style
-        evaluation = dataclasses.replace(evaluation, image_size=rendered, render_style=style)
+    if config.dataset:
+        evaluation = evaluation_for_frames(evaluation, dataset_image_size(dataset))
     config = dataclasses.replace(
         config,
         workdir=str(workdir),

@@ -42,6 +42,17 @@ def test_compare_steps_times_every_variant_in_one_process(capsys):
             {"policy": "RUN", "task": "reach", "envs": 64, "execute_steps": 4, "delays": (0, 2), "seed": None},
         ),
         (
+            "image_reliance",
+            ["runs/mt10", "--dataset", "DIR", "--episodes", "4"],
+            {"run": "runs/mt10", "dataset": "DIR", "episodes": 4, "steps": 8},
+        ),
+        ("metaworld_frames", ["--sizes", "64", "480", "--frames", "5"], {"sizes": (64, 480), "frames": 5}),
+        (
+            "metaworld_experts",
+            ["--tasks", "metaworld:hard", "--noise", "0.3"],
+            {"tasks": "metaworld:hard", "noise": 0.3},
+        ),
+        (
             "scale_report",
             ["gr00t_n15", "--devices", "1024", "--round-node-hours", "15", "--", "--train.batch-size", "4"],
             {"name": "gr00t_n15", "devices": 1024, "round_node_hours": 15.0, "overrides": ("--train.batch-size", "4")},

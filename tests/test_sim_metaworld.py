@@ -333,6 +333,19 @@ def test_the_mt50_experiments_follow_lerobots_protocol():
     assert {"Pick", "puck", "slide"} <= words  # both prompt sets reach the tokenizer
 
 
+def test_a_run_on_the_hubs_480_px_frames_is_evaluated_on_lerobots_frames(collected):
+    """A dataset not collected by the run (the hub's, copied in): its frame size is read from its
+    info.json (the hub states CHW) and the evaluation renders at it, in LeRobot's style at 480."""
+    from experiments.metaworld import dataset_image_size, evaluation_for_frames, metaworld_mt50
+
+    assert dataset_image_size(collected.root) == (SIZE, SIZE)
+    evaluation = metaworld_mt50().evaluation
+    hub = evaluation_for_frames(evaluation, metaworld.LEROBOT_IMAGE_SIZE)
+    assert hub.image_size == (480, 480) and hub.render_style == "lerobot"
+    assert evaluation_for_frames(evaluation, tuple(evaluation.image_size)) is evaluation
+    assert evaluation_for_frames(evaluation, (96, 96)).render_style == evaluation.render_style == "fast"
+
+
 def test_the_learning_curve_of_mt50_shows_the_difficulty_groups(tmp_path):
     from experiments.metaworld import plot_learning_curve
 
