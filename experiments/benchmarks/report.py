@@ -39,6 +39,15 @@ HEADLINES = {
     "train_step": ("median_step_s", "examples_per_s", "limit_fraction", "mfu"),
     "packing": ("speedup", "fraction_of_ideal"),
     "compare_steps": (),
+    "metaworld_frames": (
+        "64px_fast/render_ms",
+        "480px_lerobot/render_ms",
+        "480px_lerobot/png_encode_ms",
+        "480px_lerobot/cost_vs_base",
+        "480px_fast/cost_vs_base",
+        "64px_lerobot/cost_vs_base",
+    ),
+    "metaworld_experts": tuple(f"per_difficulty/{g}" for g in ("easy", "medium", "hard", "very_hard")),
 }
 MAX_FIGURES = 8
 # The reference a benchmark measures in its own run: (what it is, its figures' keys).
