@@ -29,7 +29,7 @@ from typing import Any
 from embodied_jax.bundle import PolicyBundle
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.errors import InputError
-from embodied_jax.policy_evaluation import SimEvaluation
+from embodied_jax.policy_evaluation import MetaWorldEvaluation, SimEvaluation
 from embodied_jax.sim.tasks import TASKS
 
 PLAYGROUND = "playground:"
@@ -184,15 +184,16 @@ def evaluate_metaworld(
 ) -> dict[str, Any]:
     """``bundle`` closed-loop in Meta-World by LeRobot's protocol (``sim.metaworld``): ``episodes``
     per task (default 10), ``envs`` of them stepped together with one ``predict`` call per decision,
-    on the test seed unless ``seed`` says otherwise; images at the policy's input size (or
-    ``image_size``: 480 renders LeRobot's frames, which the bundle resizes as in training);
-    ``execute_steps``, ``prompts`` and ``render_style`` default to the run's evaluation."""
+    on the test seed unless ``seed`` says otherwise; images at the size the run's Meta-World
+    evaluation renders (else the policy's input size; ``image_size``: 480 renders LeRobot's frames,
+    which the bundle resizes as in training); ``execute_steps``, ``prompts`` and ``render_style``
+    default to the run's evaluation."""
     import jax
 
     from embodied_jax.sim import metaworld
 
     settings = defaults(bundle)
-    run = bundle.config.evaluation
+    run = bundle.config.evaluation if isinstance(bundle.config.evaluation, MetaWorldEvaluation) else None
     episodes = 10 if episodes is None else episodes
     config = metaworld.EvalSettings(
         episodes=episodes,
@@ -200,8 +201,8 @@ def evaluate_metaworld(
         execute_steps=settings["execute_steps"] if execute_steps is None else execute_steps,
         seed=metaworld.TEST_SEED if seed is None else seed,
         videos=videos,
-        prompts=prompts or getattr(run, "prompts", metaworld.EvalSettings.prompts),
-        render_style=render_style or getattr(run, "render_style", metaworld.EvalSettings.render_style),
+        prompts=prompts or (run.prompts if run else metaworld.EvalSettings.prompts),
+        render_style=render_style or (run.render_style if run else metaworld.EvalSettings.render_style),
     )
     missing = [key for key in bundle.inputs.camera_keys if key != metaworld.IMAGE_KEY]
     if missing or bundle.action_dim not in (None, 4):
@@ -209,7 +210,8 @@ def evaluate_metaworld(
             f"Meta-World gives {metaworld.IMAGE_KEY} and takes 4-dim actions; the policy needs cameras "
             f"{list(bundle.inputs.camera_keys)} and predicts {bundle.action_dim}-dim actions"
         )
-    image_size = tuple(image_size or bundle.image_size or settings["image_size"])
+    # The run's own Meta-World evaluation renders at the size its frames had (480 for the hub's data).
+    image_size = tuple(image_size or (run.image_size if run else None) or bundle.image_size or settings["image_size"])
 
     def policy(batch, call_seed):
         return bundle.predict(batch, rng=jax.random.key(call_seed))
