@@ -32,6 +32,7 @@ from embodied_jax.data.pipeline import DataConfig
 from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.sources import LeRobotData
+from embodied_jax.models.gr00t import Gr00tConfig
 from embodied_jax.models.pi05 import variants
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.policy_evaluation import MetaWorldEvaluation
@@ -128,7 +129,7 @@ def metaworld_instructions() -> list[str]:
 
 
 def is_gr00t(config: MetaWorldConfig) -> bool:
-    return type(config.model).__name__ == "Gr00tConfig"
+    return isinstance(config.model, Gr00tConfig)
 
 
 def run_metaworld(config: MetaWorldConfig) -> int:
