@@ -5,7 +5,10 @@ on request."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import multiprocessing
 import os
 import pathlib
 from collections.abc import Callable, Sequence
@@ -235,24 +238,17 @@ def collect(
         for task in names
     ]
     recorded: list[dict] = []
-    if workers == 1 or len(jobs) == 1:
+    with contextlib.ExitStack() as stack:
         results = map(_collect_task, jobs)
-    else:
-        import concurrent.futures
-        import multiprocessing
-
-        pool = concurrent.futures.ProcessPoolExecutor(
-            min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")
-        )
-        results = pool.map(_collect_task, jobs)
-    try:
+        if min(workers, len(jobs)) > 1:
+            context = multiprocessing.get_context("spawn")
+            pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context)
+            stack.callback(pool.shutdown, cancel_futures=True)
+            results = pool.map(_collect_task, jobs)
         for lines, episodes_of_task in results:  # in task order, whatever the workers' order
             for line in lines:
                 log(line)
             recorded += episodes_of_task
-    finally:
-        if workers > 1 and len(jobs) > 1:
-            pool.shutdown(cancel_futures=True)
     return write_lerobot_dataset(
         out,
         recorded,
