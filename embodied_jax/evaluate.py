@@ -10,7 +10,8 @@ mean episode length, reward, the step evaluated), mp4 videos of the first ``vide
 episodes and a PNG grid of their frames.
 
 The image size and ``execute_steps`` default to the checkpoint's own evaluation (its saved
-``SimEvaluation``), else to the policy's input size and 5. The command line writes to
+``SimEvaluation``), else to the policy's input size and 5; the episodes to the test seed
+(``sim.seeds.TEST_SEED``), never the validation seed its in-training evaluations used. The command line writes to
 ``<run>/eval/<task>-step<step>/`` unless ``--out`` says otherwise, so reports of other tasks,
 steps or weights never overwrite each other; the checkpoint is opened read-only, so a run that
 is still training can be evaluated.
@@ -23,6 +24,7 @@ import json
 import logging
 import pathlib
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +32,7 @@ from embodied_jax.bundle import PolicyBundle
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.errors import InputError
 from embodied_jax.policy_evaluation import MetaWorldEvaluation, SimEvaluation
+from embodied_jax.sim.seeds import TEST_SEED
 from embodied_jax.sim.tasks import TASKS
 
 PLAYGROUND = "playground:"
@@ -88,15 +91,16 @@ def make_env(task: str, image_size: tuple[int, int], *, instruction: str | None 
 
 
 def defaults(bundle: PolicyBundle) -> dict[str, Any]:
-    """What the run itself evaluated with: ``envs``, ``execute_steps``, ``image_size``, ``seed``,
-    ``phase_in_state``."""
+    """What the run itself evaluated with (``envs``, ``execute_steps``, ``image_size``,
+    ``phase_in_state``) and the test seed (``seed``): reported figures never reuse the validation
+    seed the run's in-training evaluations chose its settings on."""
     evaluation = bundle.config.evaluation
     if isinstance(evaluation, SimEvaluation):
         return {
             "envs": evaluation.num_envs,
             "execute_steps": evaluation.execute_steps,
             "image_size": tuple(evaluation.image_size),
-            "seed": evaluation.seed,
+            "seed": TEST_SEED,  # not the run's own evaluation seed: that one chose its settings
             "phase_in_state": evaluation.phase_in_state,
         }
     from embodied_jax.sim import EnvConfig
@@ -106,7 +110,7 @@ def defaults(bundle: PolicyBundle) -> dict[str, Any]:
         "envs": DEFAULT_ENVS,
         "execute_steps": DEFAULT_EXECUTE_STEPS,
         "image_size": image_size,
-        "seed": 0,
+        "seed": TEST_SEED,
         "phase_in_state": False,
     }
 
@@ -304,7 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--no-ema", action="store_true", help="the trained parameters, not their EMA")
     parser.add_argument("--out", default=None, help="report directory (default: <run>/eval/<task>-step<step>)")
-    parser.add_argument("--seed", type=int, default=None, help="episode and noise seed (default: the run's, else 0)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="episode and noise seed (default: the test seed, 1; in-training evaluations use the validation seed, 2)",
+    )
     parser.add_argument(
         "--execute-steps",
         type=int,
@@ -331,6 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PX",
         help="Meta-World: square render size (default: the policy's input size; 480 is LeRobot's)",
     )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="append the result to experiments/benchmarks/results/evaluate.jsonl (a source checkout's)",
+    )
+    parser.add_argument("--shared-machine", action="store_true", help="for --record: other work shared the machine")
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     # The project's own warnings; absl (Orbax's logger) warns about its type-handler registry on every start.
@@ -365,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise EvaluationError(f"cannot write the report to {out}: {exc.strerror}; choose another --out") from exc
+        started = time.perf_counter()
         if metaworld_task:
             print(f"evaluating step {bundle.step} of {args.ckpt} on {args.task} in Meta-World ...", flush=True)
             metrics = evaluate_metaworld(
@@ -396,7 +412,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(exc, verbose=args.verbose)
     print(summary_line(metrics))
     print("\n".join(detail_lines(metrics) + report_lines(metrics, out)))
+    if args.record:
+        command_line = list(sys.argv[1:] if argv is None else argv)
+        print(f"recorded: {record_evaluation(bundle, metrics, args, time.perf_counter() - started, command_line)}")
     return 0
+
+
+def record_evaluation(
+    bundle: PolicyBundle, metrics: dict[str, Any], args: argparse.Namespace, seconds: float, command_line: list[str]
+) -> str:
+    """One row in ``experiments/benchmarks/results/evaluate.jsonl`` (``experiments.record``; a
+    source checkout's): the checkpoint's config hash, the command line, the seeds, the figures."""
+    try:
+        from experiments import record
+    except ImportError as exc:
+        raise EvaluationError("--record writes into a source checkout's experiments/: run from one") from exc
+    result = record.closed_loop_result(metrics)
+    if args.task.startswith(METAWORLD):
+        result = {**result, "group_average": metrics["group_average"], "per_difficulty": metrics["per_difficulty"]}
+    row = record.success_row(
+        "evaluate",
+        bundle.config,
+        result={**result, "checkpoint": str(args.ckpt)},
+        seeds={"training": bundle.config.train.seed, "evaluation": metrics["seed"]},
+        wall_s={"evaluation": seconds},
+        overrides=command_line,
+        shared_machine=args.shared_machine,
+        command="python -m embodied_jax.evaluate",
+    )
+    return str(record.append(row)) + ("" if row["clean"] else " (uncommitted changes: marked dirty)")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ class SimEvaluation(Evaluation):
     num_envs: int = 32
     execute_steps: int = 5
     image_size: tuple[int, int] = (32, 32)
-    seed: int = 0
+    seed: int = 2  # the validation seed (sim.seeds.VALIDATION_SEED): reported figures use the test seed
     phase_in_state: bool = False  # the policy's state ends with the episode's phase (as its data was collected)
 
     ADDED_FIELDS = ("phase_in_state",)  # runs saved before it read back with the default (config_registry)

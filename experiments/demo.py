@@ -144,6 +144,8 @@ class DemoConfig(ExperimentConfig):
     # The demo's own word-level tokenizer, built before training: "sentencepiece" (the π0.5
     # demo; PaliGemma's format) or "qwen3_words" (the GR00T demo; a Qwen3 tokenizer.json).
     tokenizer: str = "sentencepiece"
+    record: bool = False  # append the result to experiments/benchmarks/results/<name>.jsonl
+    shared_machine: bool = False  # for --record: other work shared the machine during the run
 
 
 def build_demo_tokenizer(config: DemoConfig, workdir: pathlib.Path) -> pathlib.Path:
@@ -214,6 +216,7 @@ def run_demo(config: DemoConfig) -> int:
     workdir = run_directory(config)
     dataset = workdir / "dataset"
     check_reuse(config, workdir)
+    wall = {}
     if (dataset / "meta" / "info.json").exists():
         from embodied_jax.data.lerobot import LeRobotDataset
 
@@ -230,6 +233,7 @@ def run_demo(config: DemoConfig) -> int:
             noise=noise,
             phase_in_state=config.evaluation.phase_in_state,  # the state the policy will be evaluated with
         )
+    wall["collection"] = time.perf_counter() - t0
     tokenizer = build_demo_tokenizer(config, workdir)
     fitted = fit_to_task(config)
     spec = fitted.data.data.spec
@@ -251,7 +255,9 @@ def run_demo(config: DemoConfig) -> int:
         f", packed rows of {packing.seq_len} tokens ({run.train.batch_size} rows per step)" if packing.enabled else ""
     )
     print(f"[2/4] training {type(run.model).__name__} for {run.train.steps} steps{layout} ...", flush=True)
+    t1 = time.perf_counter()
     result = train(run)
+    wall["training"] = time.perf_counter() - t1
     if config.eval_envs == 0:
         print("[3/4] closed-loop evaluation skipped (--eval-envs 0)")
         print(f"checkpoints: {result.checkpoint_dir}")
@@ -261,15 +267,36 @@ def run_demo(config: DemoConfig) -> int:
 
     # Image size, execute_steps and seed: the run's saved evaluation (the task trained on).
     out = workdir / "eval"
+    t2 = time.perf_counter()
     metrics = evaluate_policy(
         load_policy(workdir), config.task, envs=config.eval_envs, videos=config.num_videos, out_dir=out
     )
+    wall["evaluation"] = time.perf_counter() - t2
     minutes = (time.perf_counter() - t0) / 60
     losses = [h["loss"] for h in result.history if "loss" in h]
     final = f"; final loss {losses[-1]:.4f}" if losses else ""
     print(f"[4/4] {summary_line(metrics)}{final}; wall time {minutes:.1f} min")
     print("\n".join(report_lines(metrics, out)))
     print(f"tensorboard: {workdir / 'tensorboard'}")
+    if config.record:
+        from embodied_jax.sim.seeds import COLLECTION_SEED
+        from experiments import record
+
+        seeds = {
+            "training": run.train.seed,
+            "collection": COLLECTION_SEED,
+            "validation": run.evaluation.seed,
+            "test": metrics["seed"],
+        }
+        row = record.success_row(
+            config.name,
+            run,
+            result=record.closed_loop_result(metrics),
+            seeds=seeds,
+            wall_s=wall,
+            shared_machine=config.shared_machine,
+        )
+        print(f"recorded: {record.append(row)}" + ("" if row["clean"] else " (uncommitted changes: marked dirty)"))
     return 0
 
 

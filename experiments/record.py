@@ -37,19 +37,23 @@ def success_row(
     wall_s: Mapping[str, float],
     overrides: list[str] | None = None,
     shared_machine: bool = False,
+    command: str | None = None,
 ) -> dict[str, Any]:
+    """``command``: the program the overrides are passed to (default: ``experiments.launch NAME``)."""
     commit = _commit()
+    overrides = list(sys.argv[2:] if overrides is None else overrides)
+    command = command or f"python -m experiments.launch {name}"
     return {
         "benchmark": name,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": commit,
         "clean": bool(commit) and not commit.endswith("-dirty"),
         "config_hash": config_hash(config),
-        "overrides": list(sys.argv[2:] if overrides is None else overrides),
+        "overrides": overrides,
         "seeds": dict(seeds),
         "wall_s": {k: round(float(v), 1) for k, v in wall_s.items()},
         "machine": {**machine(matmul_rate=False), "shared": bool(shared_machine)},
-        "command": f"python -m experiments.launch {name} " + " ".join(sys.argv[2:] if overrides is None else overrides),
+        "command": " ".join([command, *overrides]),
         "result": dict(result),
     }
 
@@ -61,3 +65,9 @@ def append(row: Mapping[str, Any], results: pathlib.Path = RESULTS) -> pathlib.P
     with path.open("a") as f:
         f.write(json.dumps(row, default=float) + "\n")
     return path
+
+
+def closed_loop_result(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures a row keeps of one built-in task's closed-loop evaluation (``evaluate_policy``)."""
+    keys = ("task", "success_rate", "success_ci95", "episodes", "mean_episode_length", "step", "seed")
+    return {k: metrics[k] for k in keys if k in metrics}

@@ -45,10 +45,29 @@ def evaluated(demo_run, tmp_path_factory):
         evaluated_frames.append(sample.get("frame_index"))
         return transform(self, sample, rng)
 
+    from experiments import record
+
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setattr(SampleTransform, "__call__", spy)
-        status = main([str(run / "checkpoints"), "--task", "reach", "--envs", "2", "--videos", "1"])
+        patch.setattr(record, "append", lambda row: recorded_rows.append(row) or run / "evaluate.jsonl")
+        status = main([str(run / "checkpoints"), "--task", "reach", "--envs", "2", "--videos", "1", "--record"])
     return run, status, printed.getvalue()
+
+
+recorded_rows: list = []  # what the evaluated fixture's --record appended
+
+
+def test_record_keeps_the_figures_seeds_config_and_command(evaluated, bundle):
+    run, status, printed = evaluated
+    assert status == 0, printed
+    (row,) = recorded_rows
+    assert row["benchmark"] == "evaluate" and row["result"]["task"] == "reach" and row["result"]["episodes"] == 2
+    assert row["result"]["success_ci95"][0] <= row["result"]["success_rate"] <= row["result"]["success_ci95"][1]
+    assert row["seeds"] == {"training": bundle.config.train.seed, "evaluation": 1}  # the test seed by default
+    assert row["command"].startswith("python -m embodied_jax.evaluate") and "--record" in row["overrides"]
+    assert len(row["config_hash"]) == 16 and set(row["wall_s"]) == {"evaluation"}
+    assert row["clean"] == (bool(row["commit"]) and not row["commit"].endswith("-dirty"))
+    assert f"recorded: {run / 'evaluate.jsonl'}" in printed
 
 
 def test_evaluate_writes_the_demos_report_next_to_the_checkpoints(evaluated, demo_run, bundle):
@@ -81,16 +100,17 @@ def test_the_simulators_time_step_reaches_the_bundles_preprocessing(evaluated, b
     assert len(seen) > 1 and seen == list(range(0, k * len(seen), k)), seen
 
 
-def test_settings_default_to_the_runs_own_evaluation_else_the_policys_input_size():
+def test_settings_default_to_the_runs_own_evaluation_else_the_policys_input_size_on_the_test_seed():
     from embodied_jax.evaluate import defaults
     from embodied_jax.policy_evaluation import SimEvaluation
 
     saved = SimEvaluation(task="reach", num_envs=7, execute_steps=3, image_size=(24, 40), seed=9, phase_in_state=True)
     run = types.SimpleNamespace(config=types.SimpleNamespace(evaluation=saved), image_size=(32, 32))
-    want = {"envs": 7, "execute_steps": 3, "image_size": (24, 40), "seed": 9, "phase_in_state": True}
+    # The seed is the test seed, never the run's own (validation) one.
+    want = {"envs": 7, "execute_steps": 3, "image_size": (24, 40), "seed": 1, "phase_in_state": True}
     assert defaults(run) == want
     run.config.evaluation = None
-    want = {"envs": 32, "execute_steps": 5, "image_size": (32, 32), "seed": 0, "phase_in_state": False}
+    want = {"envs": 32, "execute_steps": 5, "image_size": (32, 32), "seed": 1, "phase_in_state": False}
     assert defaults(run) == want
 
 

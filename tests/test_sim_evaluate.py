@@ -154,3 +154,36 @@ def test_bad_policy_output_and_config_are_rejected(setup):
     )
     with pytest.raises(ValueError, match="act must return"):
         jax.eval_shape(lambda k: bad._program(False)(k, None), jax.random.key(0))
+
+
+def test_collection_validation_and_test_scenes_never_coincide():
+    """Seeds by purpose (``sim.seeds``): the evaluator's scenes on the validation and the test seed
+    and the collector's first batch share no reach target; the in-training evaluation defaults to
+    the validation seed and ``evaluate`` to the test seed."""
+    from embodied_jax.evaluate import defaults
+    from embodied_jax.policy_evaluation import SimEvaluation
+    from embodied_jax.sim import seeds
+
+    env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(32, 32)))
+    targets = jax.jit(lambda keys: jax.vmap(env.reset)(keys).info["target"])
+    episodes = 128
+
+    def evaluation_keys(seed):  # Evaluator: split(key(seed)) -> reset key -> one per world
+        return jax.random.split(jax.random.split(jax.random.key(seed))[0], episodes)
+
+    _, first_batch = jax.random.split(jax.random.key(seeds.COLLECTION_SEED))  # sim.collect.expert_episodes
+    scenes = {
+        "collection": jax.random.split(jax.random.split(first_batch)[0], episodes),
+        "validation": evaluation_keys(seeds.VALIDATION_SEED),
+        "test": evaluation_keys(seeds.TEST_SEED),
+    }
+    sets = {name: {tuple(t) for t in np.round(np.asarray(targets(keys)), 6)} for name, keys in scenes.items()}
+    assert all(len(s) == episodes for s in sets.values())
+    names = list(sets)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not sets[a] & sets[b], f"{a} and {b} share scenes"
+    assert len(set(seeds.PURPOSES.values())) == len(seeds.PURPOSES)
+    assert SimEvaluation().seed == seeds.VALIDATION_SEED
+    bundle = types.SimpleNamespace(config=types.SimpleNamespace(evaluation=SimEvaluation()), image_size=None)
+    assert defaults(bundle)["seed"] == seeds.TEST_SEED

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from embodied_jax.sim import env as env_lib
+from embodied_jax.sim import experts
 from embodied_jax.sim import tasks as tasks_lib
 from tests.sim_reference import BATCH, EXPERT_EPISODES, reference_rollout
 
@@ -59,15 +60,29 @@ def test_random_policy_solves_far_fewer(run):
 
 
 def _numpy_success(task, qpos, info):
-    """The task's success predicate rewritten in NumPy over qpos [T, B, nq]."""
+    """The task's success predicate rewritten in NumPy over qpos [T, B, nq] (the states after each
+    action), its latched facts (pick_place: held and lifted; handover: held by the right hand alone
+    off the table) accumulated over the steps."""
     if task.name == "reach":
         return np.linalg.norm(qpos[..., 0:3] - info["target"][None], axis=-1) < 0.03
     obj_name, arm_qpos, half_z = ("cube", 0, 0.02) if task.name == "pick_place" else ("bar", 5, 0.02)
     adr = task.model.joint(obj_name).qposadr[0]
     obj = qpos[..., adr : adr + 3]
-    grip = qpos[..., arm_qpos + 3 : arm_qpos + 5].mean(-1) / 0.045
+
+    def grip(arm):
+        return qpos[..., arm + 3 : arm + 5].mean(-1) / 0.045
+
+    def held(arm, radius):
+        return (np.linalg.norm(qpos[..., arm : arm + 3] - obj, axis=-1) < radius) & (grip(arm) < 0.8)
+
+    raised = obj[..., 2] > half_z + 0.02
+    if task.name == "pick_place":
+        fact = held(0, 0.02) & raised
+    else:
+        fact = held(5, 0.06) & ~held(0, 0.06) & raised
+    latched = np.logical_or.accumulate(fact, axis=0)
     on_goal = np.linalg.norm(obj[..., :2] - info["goal"][None, :, :2], axis=-1) < 0.03
-    return on_goal & (obj[..., 2] < half_z + 0.01) & (grip > 0.8)
+    return latched & on_goal & (obj[..., 2] < half_z + 0.01) & (grip(arm_qpos) > 0.8)
 
 
 def test_success_flag_matches_numpy_predicate(run):
@@ -119,3 +134,51 @@ def test_unknown_task_and_bad_action_are_rejected():
         jax.eval_shape(env.step, state, jnp.zeros(3))
     with pytest.raises(ValueError, match="physics"):
         env_lib.EnvConfig(physics="bullet")
+
+
+def _drag_to_pad(task):
+    """pick_place without the pick: the open gripper comes down around the cube and slides it along
+    the table to the pad, then rises (the cube is never lifted)."""
+
+    def policy(state):
+        start, goal = state.info["object_start"][:2], state.info["goal"][:2]
+        z = tasks_lib.CUBE_HALF
+        waypoints = [jnp.append(start, 0.10), jnp.append(start, z), jnp.append(goal, z), jnp.append(goal, 0.10)]
+        target = experts._schedule(state.step, (14, 20, 52), waypoints)
+        return jnp.append(experts._toward(task.pinch(state.data, 0), target), experts.OPEN)
+
+    return policy
+
+
+def test_a_cube_pushed_onto_the_pad_without_a_lift_fails():
+    env = env_lib.Env("pick_place", env_lib.EnvConfig(renderer="raycast"))
+    policy = _drag_to_pad(env.task)
+
+    @jax.jit
+    def run(key):
+        def body(states, _):
+            states = env_lib.batch_step(env, states, jax.vmap(policy)(states))
+            return states, (states.data.qpos, states.success)
+
+        start = env_lib.batch_reset(env, key, 16)
+        _, (qpos, success) = jax.lax.scan(body, start, None, length=env.episode_limit)
+        return start.info, qpos, success
+
+    info, qpos, success = jax.tree.map(np.asarray, run(jax.random.key(3)))
+    adr = env.task.model.joint("cube").qposadr[0]
+    cube = qpos[-1, :, adr : adr + 3]
+    on_pad = (np.linalg.norm(cube[:, :2] - info["goal"][:, :2], axis=-1) < 0.03) & (cube[:, 2] < 0.03)
+    released = qpos[-1, :, 3:5].mean(-1) / 0.045 > 0.8
+    pushed = on_pad & released  # the old definition's success: on the pad, low, gripper open
+    assert pushed.sum() >= 1, "the scripted drag put no cube on the pad: the test would not test anything"
+    assert not success[:, pushed].any(), "a cube pushed onto the pad without a lift counted as picked"
+    assert (qpos[:, pushed, adr + 2] < tasks_lib.CUBE_HALF + tasks_lib.LIFTED).all()  # never lifted
+
+
+def test_pick_place_and_handover_latch_the_lift_and_the_hand_over(run):
+    """The expert's episodes succeed only after the latched fact; ``reset`` starts it False."""
+    if run.env.name == "reach":
+        pytest.skip("reach has no latched fact")
+    key = "lifted" if run.env.name == "pick_place" else "handed_over"
+    assert not run.traj.info[key].any()
+    assert run.traj.success[-1, :EXPERT_EPISODES].mean() >= 0.95

@@ -51,7 +51,7 @@ class EnvState:
     """State of one world (or a batch of worlds, leading axis, after ``vmap``)."""
 
     data: mjx.Data
-    info: dict[str, jax.Array]  # task poses: target / goal / object_start (privileged)
+    info: dict[str, jax.Array]  # task poses (target / goal / object_start) and latched facts (Task.track)
     step: jax.Array  # int32 control steps taken
     reward: jax.Array  # float32 reward of the last step
     success: jax.Array  # bool, latched
@@ -200,13 +200,14 @@ class Env(Cameras):
         # failure and keeps the last finite state, so NaNs never reach observations or metrics.
         diverged = ~(jnp.isfinite(data.qpos).all() & jnp.isfinite(data.qvel).all())
         data = select_tree(diverged, state.data, data)
-        success = state.success | (self.task.success(data, state.info) & ~diverged)
+        info = self.task.track(data, state.info)
+        success = state.success | (self.task.success(data, info) & ~diverged)
         step = state.step + 1
         new = EnvState(
             data=data,
-            info=state.info,
+            info=info,
             step=step,
-            reward=jnp.where(diverged, 0.0, self.task.reward(data, state.info)),
+            reward=jnp.where(diverged, 0.0, self.task.reward(data, info)),
             success=success,
             done=success | diverged | (step >= self.episode_limit),
         )

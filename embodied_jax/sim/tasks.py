@@ -11,6 +11,9 @@ and goal poses are never in the state: a policy sees them only in the images.
 
 Reward per step is in [0, 1]: 1 on success, otherwise a shaped distance term.
 Success is latched by the environment; an episode ends on success or at its limit.
+Success may depend on the episode so far: ``Task.track`` latches facts in ``info`` after each
+step (pick_place: the cube was held and lifted 2 cm, so a cube pushed onto the pad fails;
+handover: the bar was off the table in the right gripper alone).
 """
 
 from __future__ import annotations
@@ -158,9 +161,20 @@ class Task(abc.ABC):
     def randomize(self, rng: jax.Array, data) -> tuple[object, dict[str, jax.Array]]:
         """Sample the initial state of one episode; returns (data, info) with the task's poses."""
 
+    def track(self, data, info: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """``info`` after a control step: latched facts of the episode so far that success needs
+        (pick_place: the cube was lifted; handover: the right hand alone held the bar). Default: none."""
+        return dict(info)
+
+    def holding(self, data, arm: int, obj: jax.Array, radius: float) -> jax.Array:
+        """Whether ``arm``'s gripper is closed (below ``RELEASED``) with its pinch point within
+        ``radius`` of the object's centre (bool scalar)."""
+        near = jnp.linalg.norm(self.pinch(data, arm) - obj) < radius
+        return near & (self.robot_state(data)[4 * arm + 3] < RELEASED)
+
     @abc.abstractmethod
     def success(self, data, info: Mapping[str, jax.Array]) -> jax.Array:
-        """Whether the task is solved in this state (bool scalar)."""
+        """Whether the task is solved in this state (bool scalar); ``info`` is the tracked one."""
 
     @abc.abstractmethod
     def shaped_reward(self, data, info: Mapping[str, jax.Array]) -> jax.Array:
@@ -239,6 +253,7 @@ class Reach(Task):
 
 CUBE_HALF = 0.02
 RELEASED = 0.8  # grip opening above which an object counts as let go
+LIFTED = 0.02  # metres above its resting height that an object held in a gripper must reach
 
 
 class PickPlace(Task):
@@ -268,19 +283,26 @@ class PickPlace(Task):
         goal = jnp.concatenate([goal_xy, jnp.array([0.001])])
         data = _set_free_body(data, self._cube, cube)
         data = _set_mocap(data, self._goal, goal)
-        return data, {"goal": goal, "object_start": cube}
+        return data, {"goal": goal, "object_start": cube, "lifted": jnp.zeros((), bool)}
+
+    def track(self, data, info):
+        # A cube pushed onto the pad is not picked: success needs it held and lifted first.
+        obj = self.object_pos(data)
+        lifted_now = self.holding(data, 0, obj, CUBE_HALF) & (obj[2] > CUBE_HALF + LIFTED)
+        return {**info, "lifted": info["lifted"] | lifted_now}
 
     def success(self, data, info):
         obj = self.object_pos(data)
         on_goal = jnp.linalg.norm(obj[:2] - info["goal"][:2]) < self.tolerance
         released = self.robot_state(data)[3] > RELEASED
-        return on_goal & (obj[2] < CUBE_HALF + 0.01) & released
+        return info["lifted"] & on_goal & (obj[2] < CUBE_HALF + 0.01) & released
 
     def shaped_reward(self, data, info):
         obj = self.object_pos(data)
         grasp = _closeness(jnp.linalg.norm(self.pinch(data) - obj))
         place = _closeness(jnp.linalg.norm(obj[:2] - info["goal"][:2]))
-        return 0.3 * grasp + 0.7 * place
+        # Half the placing term until the cube has been lifted: pushing it to the pad pays less.
+        return 0.3 * grasp + 0.7 * place * jnp.where(info["lifted"], 1.0, 0.5)
 
 
 BAR_HALF = (0.06, 0.02, 0.02)
@@ -320,13 +342,20 @@ class Handover(Task):
         goal = jnp.concatenate([goal_xy, jnp.array([0.001])])
         data = _set_free_body(data, self._bar, bar)
         data = _set_mocap(data, self._goal, goal)
-        return data, {"goal": goal, "object_start": bar}
+        return data, {"goal": goal, "object_start": bar, "handed_over": jnp.zeros((), bool)}
+
+    def track(self, data, info):
+        # Handed over: the bar off the table in the right gripper while the left has let it go.
+        obj = self.object_pos(data)
+        left, right = (self.holding(data, arm, obj, BAR_HALF[0]) for arm in (0, 1))
+        now = right & ~left & (obj[2] > BAR_HALF[2] + LIFTED)
+        return {**info, "handed_over": info["handed_over"] | now}
 
     def success(self, data, info):
         obj = self.object_pos(data)
         on_goal = jnp.linalg.norm(obj[:2] - info["goal"][:2]) < self.tolerance
         released = self.robot_state(data)[7] > RELEASED
-        return on_goal & (obj[2] < BAR_HALF[2] + 0.01) & released
+        return info["handed_over"] & on_goal & (obj[2] < BAR_HALF[2] + 0.01) & released
 
     def shaped_reward(self, data, info):
         obj = self.object_pos(data)

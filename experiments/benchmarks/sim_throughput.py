@@ -146,12 +146,18 @@ def loop_episodes_per_s(env: env_lib.Env, episodes: int, act) -> tuple[float, st
     task, model = env.task, env.mj_model
     act = jax.jit(act)
     reset = jax.jit(env.reset)
-    success = jax.jit(lambda qpos, info: task.success(types.SimpleNamespace(qpos=qpos), info))
+
+    def tracked_success(qpos, info):
+        info = task.track(types.SimpleNamespace(qpos=qpos), info)
+        return task.success(types.SimpleNamespace(qpos=qpos), info), info
+
+    success = jax.jit(tracked_success)
     render, how = _per_env_renderer(env)
     data = mujoco.MjData(model)
 
     def episode(seed):
         state = reset(jax.random.key(seed))
+        info = state.info
         mujoco.mj_resetData(model, data)
         data.qpos[:] = np.asarray(state.data.qpos)
         data.ctrl[:] = np.asarray(state.data.ctrl)
@@ -166,7 +172,8 @@ def loop_episodes_per_s(env: env_lib.Env, episodes: int, act) -> tuple[float, st
                 chunk = np.asarray(act(obs, jax.random.key(t)))[0]
             data.ctrl[:] = numpy_ctrl(task, chunk[t % EXECUTE], data.ctrl)
             mujoco.mj_step(model, data, nstep=tasks_lib.SUBSTEPS)
-            if bool(success(jnp.asarray(data.qpos), state.info)):
+            solved, info = success(jnp.asarray(data.qpos), info)
+            if bool(solved):
                 break
 
     episode(0)  # compile the jitted pieces

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from embodied_jax.errors import InputError
+from embodied_jax.sim.seeds import CALIBRATION_SEED, COLLECTION_SEED, TEST_SEED, VALIDATION_SEED  # noqa: F401
 
 PREFIX = "metaworld:"
 VERSION = "3.1.1"
@@ -28,13 +29,9 @@ ACTION_KEY = "action"
 STEP_LIMIT = 500  # steps per episode: Meta-World's max_path_length, as LeRobot evaluates
 FPS = 80  # Meta-World's control rate: 5 physics substeps of 2.5 ms
 
-# Reset seeds by purpose (``episode_seed(purpose, task, i)``): no two purposes share a start state.
-# Settings are chosen on the validation seed (in-training evaluation, levers); reported figures are
-# measured on the test seed only.
-COLLECTION_SEED = 0
-TEST_SEED = 1
-VALIDATION_SEED = 2
-CALIBRATION_SEED = 1000
+# Reset seeds by purpose (``episode_seed(purpose, task, i)``, ``sim/seeds.py``): no two purposes share
+# a start state. Settings are chosen on the validation seed (in-training evaluation, levers);
+# reported figures are measured on the test seed only.
 ROBOT_TYPE = "metaworld"  # as the hub dataset names it
 INSTALL = f"pip install --no-deps metaworld=={VERSION} && pip install gymnasium imageio scipy"
 
