@@ -207,6 +207,7 @@ def evaluate_metaworld(
         videos=videos,
         prompts=prompts or (run.prompts if run else metaworld.EvalSettings.prompts),
         render_style=render_style or (run.render_style if run else metaworld.EvalSettings.render_style),
+        crop=run.crop if run else None,  # the window of the frame the policy was trained on
     )
     missing = [key for key in bundle.inputs.camera_keys if key != metaworld.IMAGE_KEY]
     if missing or bundle.action_dim not in (None, 4):

@@ -89,7 +89,7 @@ class MetaWorldEvaluation(Evaluation):
     """In-training closed-loop evaluation in Meta-World's own environments (``sim.metaworld``):
     ``episodes`` per task, ``envs`` stepped together per policy call, on the evaluation seed."""
 
-    ADDED_FIELDS = ("limit", "prompts", "render_style")  # runs saved before them read back with the defaults
+    ADDED_FIELDS = ("limit", "prompts", "render_style", "crop")  # runs saved before them read back with the defaults
 
     tasks: str = "metaworld:mt10"
     episodes: int = 10
@@ -100,6 +100,9 @@ class MetaWorldEvaluation(Evaluation):
     limit: int = 500  # steps per episode (Meta-World's max_path_length, LeRobot's protocol)
     prompts: str = "lerobot"  # LeRobot's task descriptions, or "project"
     render_style: str = "fast"  # or "lerobot" (Meta-World's own renderer settings)
+    # (top, left, size), fractions of the frame: a zoomed window of the workspace, as collected
+    # (sim.metaworld.MetaWorldEnv); None: the whole frame, as LeRobot's.
+    crop: tuple[float, float, float] | None = None
 
     def settings(self):
         from embodied_jax.sim import metaworld
@@ -114,6 +117,7 @@ class MetaWorldEvaluation(Evaluation):
             limit=self.limit,
             prompts=self.prompts,
             render_style=self.render_style,
+            crop=self.crop,
         )
 
     def start(self, model: Any, *, config: Any, norm_stats: Mapping[str, Any] | None) -> MetaWorldEvaluationRun:

@@ -84,6 +84,8 @@ def check_reuse(config: MetaWorldConfig, workdir: pathlib.Path) -> None:
         "prompts": config.prompts,
         "dataset": config.dataset,
     }
+    if config.evaluation.crop is not None:  # recorded only when set: older run directories stay reusable
+        wanted["crop"] = list(config.evaluation.crop)
     record = workdir / RECORD
     if record.exists():
         saved = json.loads(record.read_text())
@@ -161,6 +163,7 @@ def run_metaworld(config: MetaWorldConfig) -> int:
             noise=config.collect_noise,
             prompts=config.prompts,
             render_style=config.evaluation.render_style,
+            crop=config.evaluation.crop,
             workers=config.collect_workers or os.cpu_count() or 1,
         )
     collection_s = time.perf_counter() - t0

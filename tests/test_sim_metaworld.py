@@ -128,6 +128,25 @@ def test_a_frame_is_lerobots_pixel_for_pixel():
         fast.close()
 
 
+def test_a_crop_is_that_window_of_the_whole_frame_and_bad_windows_are_refused():
+    """``crop=(top, left, size)``: the frame rendered at ``image_size / size``, then that window."""
+    seed = metaworld.episode_seed(metaworld.VALIDATION_SEED, "reach", 0)
+    frames = {}
+    for crop, size in (((0.25, 0.5, 0.5), (32, 32)), (None, (64, 64))):
+        env = metaworld.MetaWorldEnv("reach", size, crop=crop)
+        try:
+            env.reset(seed)
+            frames[crop] = env.render()
+        finally:
+            env.close()
+    window = frames[(0.25, 0.5, 0.5)]
+    assert window.shape == (32, 32, 3)
+    np.testing.assert_array_equal(window, frames[None][16:48, 32:64])
+    for bad in ((0.6, 0.0, 0.5), (0.0, 0.0, 0.0), (0.1, 0.1)):
+        with pytest.raises(metaworld.MetaWorldError, match="crop"):
+            metaworld.MetaWorldEnv("reach", (32, 32), crop=bad)
+
+
 def test_protocol_limit_termination_and_prompts():
     """500 steps (Meta-World's max_path_length), the first success ends an episode, LeRobot's prompts
     by default and the project's on request."""

@@ -43,6 +43,7 @@ class EvalSettings:
     limit: int = STEP_LIMIT  # steps per episode (LeRobot's: Meta-World's max_path_length)
     prompts: str = "lerobot"  # LeRobot's task descriptions, or "project" (sentences of the project's own)
     render_style: str = "fast"  # "lerobot": Meta-World's own renderer settings (see MetaWorldEnv)
+    crop: tuple[float, float, float] | None = None  # a window of the frame (see MetaWorldEnv); None: all of it
 
 
 def evaluate(
@@ -142,7 +143,7 @@ def _strip(video: np.ndarray, frames: int = 8) -> np.ndarray:
 
 def _evaluate_task(policy: BatchPolicy, task: str, settings: EvalSettings, image_size, *, call_seed: int):
     envs = [
-        MetaWorldEnv(task, image_size, prompts=settings.prompts, render_style=settings.render_style)
+        MetaWorldEnv(task, image_size, prompts=settings.prompts, render_style=settings.render_style, crop=settings.crop)
         for _ in range(min(settings.envs, settings.episodes))
     ]
     if settings.limit > envs[0].max_path_length:

@@ -132,6 +132,7 @@ class _TaskJob:
     max_steps: int
     prompts: str
     render_style: str
+    crop: tuple[float, float, float] | None
 
 
 def _collect_task(job: _TaskJob) -> tuple[list[str], list[dict]]:
@@ -144,7 +145,7 @@ def _collect_task(job: _TaskJob) -> tuple[list[str], list[dict]]:
         lines.append(
             f"metaworld:{job.task}: scripted success by DART noise ({CALIBRATION_EPISODES} episodes each): {table}"
         )
-    env = MetaWorldEnv(job.task, job.image_size, prompts=job.prompts, render_style=job.render_style)
+    env = MetaWorldEnv(job.task, job.image_size, prompts=job.prompts, render_style=job.render_style, crop=job.crop)
     kept, attempts, wins = 0, 0, 0
     try:
         while kept < job.episodes and attempts < job.max_attempts:
@@ -198,6 +199,7 @@ def collect(
     max_steps: int = STEP_LIMIT,
     prompts: str = "lerobot",
     render_style: str = "fast",
+    crop: tuple[float, float, float] | None = None,
     workers: int = 1,
     log: Callable[[str], None] = print,
 ) -> pathlib.Path:
@@ -211,7 +213,7 @@ def collect(
     the next seed tried, at most ``max_attempts`` (default 2 x episodes + 10) per task. Frames are
     lossless PNG by default, as the hub stores them (``image_storage="video"``: mp4 in ``codec``).
     ``max_steps``: the episode's step limit (:data:`STEP_LIMIT`, the evaluation's; lower only for
-    quick checks). ``prompts`` and ``render_style``: as :class:`MetaWorldEnv` takes them.
+    quick checks). ``prompts``, ``render_style`` and ``crop``: as :class:`MetaWorldEnv` takes them.
     ``workers``: tasks collected in that many processes at once (the dataset is the same)."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
@@ -234,6 +236,7 @@ def collect(
             max_steps,
             prompts,
             render_style,
+            crop,
         )
         for task in names
     ]

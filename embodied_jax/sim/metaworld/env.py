@@ -118,6 +118,19 @@ def check_gl() -> str:
 RENDER_STYLES = ("fast", "lerobot")
 
 
+def check_crop(crop) -> tuple[float, float, float] | None:
+    """``(top, left, size)`` as fractions of the frame, the window inside it; or None."""
+    if crop is None:
+        return None
+    try:
+        top, left, size = (float(x) for x in crop)
+    except (TypeError, ValueError) as exc:
+        raise MetaWorldError(f"crop={crop!r}: (top, left, size), fractions of the frame") from exc
+    if not (0 < size <= 1 and 0 <= top <= 1 - size and 0 <= left <= 1 - size):
+        raise MetaWorldError(f"crop={crop!r}: 0 < size <= 1 and the window inside the frame (top, left <= 1 - size)")
+    return top, left, size
+
+
 @functools.cache
 def lerobot_task(task: str):
     """``(train class, train_tasks[0])`` of ``MT1(task, seed=42)``: what LeRobot builds each environment from."""
@@ -135,7 +148,10 @@ class MetaWorldEnv:
     (``_freeze_rand_vec = False``, seeded). ``render_style``: ``"lerobot"`` renders as Meta-World's
     own renderer does (shadows, reflections, skybox; at 480x480 pixel for pixel LeRobot's frame),
     ``"fast"`` with those three off (the same camera, about 3-5x cheaper on a CPU).
-    ``prompts``: ``"lerobot"`` (LeRobot's task descriptions) or ``"project"`` (the project's own)."""
+    ``prompts``: ``"lerobot"`` (LeRobot's task descriptions) or ``"project"`` (the project's own).
+    ``crop``: ``(top, left, size)``, fractions of LeRobot's (square) frame: the frame is rendered at
+    ``image_size / size`` and that window of it returned at ``image_size`` (the same camera, a
+    zoomed view of the workspace; None, the default: the whole frame, as LeRobot's)."""
 
     def __init__(
         self,
@@ -144,6 +160,7 @@ class MetaWorldEnv:
         *,
         prompts: str = "lerobot",
         render_style: str = "fast",
+        crop: tuple[float, float, float] | None = None,
     ):
         from metaworld.policies import ENV_POLICY_MAP
 
@@ -156,6 +173,7 @@ class MetaWorldEnv:
             raise MetaWorldError(f"image_size={image_size}: (height, width), both >= 1")
         self.instruction = prompt(task, prompts)
         self.render_style = render_style
+        self.crop = check_crop(crop)
         env_class, first_task = lerobot_task(task)
         env = env_class(render_mode="rgb_array", camera_name=CAMERA)
         env.set_task(first_task)
@@ -208,7 +226,7 @@ class MetaWorldEnv:
 
         if self._renderer is None:
             check_gl()
-            height, width = self.image_size
+            height, width = self._render_size()
             self._env.model.vis.global_.offwidth = max(self._env.model.vis.global_.offwidth, width)
             self._env.model.vis.global_.offheight = max(self._env.model.vis.global_.offheight, height)
             self._renderer = mujoco.Renderer(self._env.model, height, width)
@@ -221,7 +239,16 @@ class MetaWorldEnv:
                 mujoco.mjtRndFlag.mjRND_SKYBOX,
             ):
                 renderer.scene.flags[flag] = 0
-        return np.ascontiguousarray(renderer.render()[::-1, ::-1])
+        frame = renderer.render()[::-1, ::-1]
+        if self.crop is not None:
+            top, left = (round(f * n) for f, n in zip(self.crop[:2], frame.shape[:2], strict=True))
+            frame = frame[top : top + self.image_size[0], left : left + self.image_size[1]]
+        return np.ascontiguousarray(frame)
+
+    def _render_size(self) -> tuple[int, int]:
+        if self.crop is None:
+            return self.image_size
+        return tuple(round(n / self.crop[2]) for n in self.image_size)
 
     def close(self) -> None:
         if self._renderer is not None:
