@@ -10,6 +10,8 @@ rises from about 0.1 to about 0.6 in 20 iterations.
 
 from __future__ import annotations
 
+import time
+
 from embodied_jax.models.toy_flow import ToyFlowConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.rl.config import RLConfig, RLExperimentConfig
@@ -22,7 +24,9 @@ TASKS = ("reach", "pick_place", "handover")
 def run_rl(config: RLExperimentConfig) -> int:
     from embodied_jax.rl.loop import train
 
+    started = time.perf_counter()
     result = train(config)
+    seconds = time.perf_counter() - started
     rows = [h for h in result.history if "success_rate" in h]
     if rows:
         print("rollout success: " + ", ".join(f"{int(h['step'])}:{h['success_rate']:.2f}" for h in rows))
@@ -30,6 +34,21 @@ def run_rl(config: RLExperimentConfig) -> int:
         e = result.evaluation
         print(f"held-out: success rate {100 * e['success_rate']:.1f}% over {e['episodes']} episodes")
     print(f"finished at iteration {result.iterations}; outputs in {result.workdir}")
+    if config.record:
+        from experiments import record
+
+        if result.evaluation is None:
+            print("nothing recorded: the run made no held-out evaluation (--rl.eval-envs 0)")
+            return 0
+        row = record.success_row(
+            config.name,
+            config,
+            result={**record.closed_loop_result(result.evaluation), "iterations": result.iterations},
+            seeds={"training": config.rl.seed, "evaluation": config.rl.eval_seed},
+            wall_s={"training": seconds},
+            shared_machine=config.shared_machine,
+        )
+        print(f"recorded: {record.append(row)}" + ("" if row["clean"] else " (uncommitted changes: marked dirty)"))
     return 0
 
 

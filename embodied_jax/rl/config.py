@@ -60,3 +60,5 @@ class RLExperimentConfig(ExperimentConfig):
     settings), as the other experiments' subclasses are saved as ``ExperimentConfig``."""
 
     rl: RLConfig = RLConfig()
+    record: bool = False  # append the held-out result to experiments/benchmarks/results/<name>.jsonl
+    shared_machine: bool = False  # for --record: other work shared the machine during the run

@@ -48,6 +48,17 @@ HEADLINES = {
         "64px_lerobot/cost_vs_base",
     ),
     "metaworld_experts": tuple(f"per_difficulty/{g}" for g in ("easy", "medium", "hard", "very_hard")),
+    # Learning results (``experiments/record.py``): the rate first, then what it is measured on.
+    **{
+        name: (
+            "group_average",
+            *(f"per_difficulty/{g}/success_rate" for g in ("easy", "medium", "hard", "very_hard")),
+            "success_rate",
+            "episodes",
+        )
+        for name in ("metaworld_mt50", "metaworld_mt50_gr00t", "metaworld_mt10", "metaworld")
+    },
+    **{name: ("success_rate", "episodes", "step", "seed") for name in ("demo", "demo_gr00t", "evaluate")},
 }
 MAX_FIGURES = 8
 # The reference a benchmark measures in its own run: (what it is, its figures' keys).
