@@ -211,11 +211,13 @@ def run_demo(config: DemoConfig) -> int:
     from embodied_jax import load_policy
     from embodied_jax.sim.collect import collect
     from embodied_jax.train.loop import train
+    from experiments.progress import expected_duration, heartbeat
 
     t0 = time.perf_counter()
     workdir = run_directory(config)
     dataset = workdir / "dataset"
     check_reuse(config, workdir)
+    print(expected_duration(config.name), flush=True)
     wall = {}
     if (dataset / "meta" / "info.json").exists():
         from embodied_jax.data.lerobot import LeRobotDataset
@@ -225,14 +227,15 @@ def run_demo(config: DemoConfig) -> int:
     else:
         print(f"[1/4] collecting {config.episodes} expert episodes of '{config.task}' ...", flush=True)
         noise = config.collect_noise  # None: the task's calibrated DART noise (Task.dart_noise)
-        collect(
-            config.task,
-            config.episodes,
-            dataset,
-            image_size=tuple(config.data.data.image_size),
-            noise=noise,
-            phase_in_state=config.evaluation.phase_in_state,  # the state the policy will be evaluated with
-        )
+        with heartbeat("collecting"):
+            collect(
+                config.task,
+                config.episodes,
+                dataset,
+                image_size=tuple(config.data.data.image_size),
+                noise=noise,
+                phase_in_state=config.evaluation.phase_in_state,  # the state the policy will be evaluated with
+            )
     wall["collection"] = time.perf_counter() - t0
     tokenizer = build_demo_tokenizer(config, workdir)
     fitted = fit_to_task(config)
@@ -256,7 +259,8 @@ def run_demo(config: DemoConfig) -> int:
     )
     print(f"[2/4] training {type(run.model).__name__} for {run.train.steps} steps{layout} ...", flush=True)
     t1 = time.perf_counter()
-    result = train(run)
+    with heartbeat("training"):  # compiles and in-training evaluations print nothing for a while
+        result = train(run)
     wall["training"] = time.perf_counter() - t1
     if config.eval_envs == 0:
         print("[3/4] closed-loop evaluation skipped (--eval-envs 0)")
@@ -268,9 +272,10 @@ def run_demo(config: DemoConfig) -> int:
     # Image size, execute_steps and seed: the run's saved evaluation (the task trained on).
     out = workdir / "eval"
     t2 = time.perf_counter()
-    metrics = evaluate_policy(
-        load_policy(workdir), config.task, envs=config.eval_envs, videos=config.num_videos, out_dir=out
-    )
+    with heartbeat("evaluating"):
+        metrics = evaluate_policy(
+            load_policy(workdir), config.task, envs=config.eval_envs, videos=config.num_videos, out_dir=out
+        )
     wall["evaluation"] = time.perf_counter() - t2
     minutes = (time.perf_counter() - t0) / 60
     losses = [h["loss"] for h in result.history if "loss" in h]

@@ -233,6 +233,28 @@ def test_a_success_row_from_uncommitted_changes_is_marked_and_left_out_of_the_ta
     assert rows[0]["machine"]["shared"] is False
     shown = report.latest_runs(tmp_path)["toy_success"]
     assert [r["commit"] for r in shown] == ["abc123"]
+    # The expected duration a run prints at its start: the clean row of the same command only.
+    from experiments.progress import expected_duration
+
+    said = expected_duration("toy_success", ["--train.steps", "5", "--record"], tmp_path)
+    assert said.startswith("expected duration: 0.1 min (collection 0.0, training 0.0, evaluation 0.1)")
+    assert "abc123," in said and "alone on the machine" in said
+    assert "no recorded run" in expected_duration("toy_success", ["--train.steps", "6"], tmp_path)
+
+
+def test_a_heartbeat_prints_while_a_silent_phase_runs():
+    import io
+    import time
+
+    from experiments.progress import heartbeat
+
+    out = io.StringIO()
+    with heartbeat("training", every=0.05, out=out):
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2 and all(line.strip().startswith("training: still running (") for line in lines)
+    time.sleep(0.15)
+    assert out.getvalue().splitlines() == lines  # stopped with the block
 
 
 def test_anchors_stand_beside_the_runs_of_their_configuration(tmp_path, monkeypatch):

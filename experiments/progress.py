@@ -1,0 +1,63 @@
+"""What a long experiment tells its user while it runs: the expected duration at the start (from the
+recorded runs of the same command, ``experiments/record.py``) and a line at least every 30 seconds
+while a phase prints nothing of its own (``heartbeat``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+from experiments.benchmarks.harness import RESULTS
+
+HEARTBEAT_S = 30.0
+
+
+def expected_duration(name: str, overrides: list[str] | None = None, results: pathlib.Path = RESULTS) -> str:
+    """The latest clean row of this command in ``results/<name>.jsonl``: its wall time, its split,
+    its machine and whether other work shared the machine; or that there is none yet."""
+    overrides = list(sys.argv[2:] if overrides is None else overrides)
+    wanted = [o for o in overrides if o not in ("--record", "--shared-machine")]
+    path = results / f"{name}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    same = [
+        r
+        for r in rows
+        if r.get("clean") and [o for o in r.get("overrides", []) if o not in ("--record", "--shared-machine")] == wanted
+    ]
+    if not same:
+        return f"expected duration: no recorded run of this command yet (results/{name}.jsonl)"
+    row = same[-1]
+    wall = row.get("wall_s", {})
+    split = ", ".join(f"{k} {v / 60:.1f}" for k, v in wall.items())
+    machine = row.get("machine", {})
+    alone = "with other work on the machine" if machine.get("shared") else "alone on the machine"
+    return (
+        f"expected duration: {sum(wall.values()) / 60:.1f} min ({split}) in the run recorded at "
+        f"{row.get('commit')}, {machine.get('cores', '?')} cores, {alone}"
+    )
+
+
+@contextlib.contextmanager
+def heartbeat(phase: str, every: float = HEARTBEAT_S, out=None) -> Iterator[None]:
+    """Print ``phase: still running (N s)`` every ``every`` seconds until the block ends (a jitted
+    rollout or a compile prints nothing of its own for minutes)."""
+    out = out or sys.stdout
+    stop = threading.Event()
+    start = time.perf_counter()
+
+    def beat():
+        while not stop.wait(every):
+            print(f"      {phase}: still running ({time.perf_counter() - start:.0f} s)", file=out, flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
