@@ -233,6 +233,13 @@ def test_a_success_row_from_uncommitted_changes_is_marked_and_left_out_of_the_ta
     assert rows[0]["machine"]["shared"] is False
     shown = report.latest_runs(tmp_path)["toy_success"]
     assert [r["commit"] for r in shown] == ["abc123"]
+    # The generated table shows the clean row's figure; a tampered row makes --check fail.
+    doc = tmp_path / "performance.md"
+    doc.write_text("# results\n\n" + report.render(tmp_path) + "\n")
+    assert report.is_current(doc, tmp_path) and "success_rate 0.5" in doc.read_text()
+    path = tmp_path / "toy_success.jsonl"
+    path.write_text(path.read_text().replace('"success_rate": 0.5', '"success_rate": 0.9', 1))
+    assert not report.is_current(doc, tmp_path)
     # The expected duration a run prints at its start: the clean row of the same command only.
     from experiments.progress import expected_duration
 
