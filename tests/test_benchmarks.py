@@ -189,8 +189,11 @@ def test_a_recorded_row_names_its_commit_machine_and_command(tmp_path, monkeypat
     from experiments.benchmarks import harness, report
 
     monkeypatch.setattr(harness, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
+    monkeypatch.setattr(harness, "_commit", lambda: "abc123")
     harness.record("toy_bench", {"speedup": 1.5, "nested": {"p99_ms": 12.0}, "note": "x"}, ["--rounds", "2"], tmp_path)
     harness.record("toy_bench", {"speedup": 1.7}, ["--rounds", "2"], tmp_path)  # same configuration: the latest wins
+    monkeypatch.setattr(harness, "_commit", lambda: "abc123-dirty")
+    harness.record("toy_bench", {"speedup": 9.9}, ["--rounds", "2"], tmp_path)  # uncommitted changes: never shown
     rows = report.latest_runs(tmp_path)["toy_bench"]
     assert len(rows) == 1 and rows[0]["result"] == {"speedup": 1.7}
     assert rows[0]["command"] == "python -m experiments.benchmarks.toy_bench --rounds 2" and rows[0]["date"]
@@ -272,6 +275,7 @@ def test_anchors_stand_beside_the_runs_of_their_configuration(tmp_path, monkeypa
     from experiments.benchmarks import harness, report
 
     monkeypatch.setattr(harness, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
+    monkeypatch.setattr(harness, "_commit", lambda: "abc123")
     harness.record("train_step", {"experiment": "a_bench", "median_step_s": 0.25}, ["a_bench"], tmp_path)
 
     def anchor(name, experiment, date, step_s):

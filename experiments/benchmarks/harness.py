@@ -104,11 +104,15 @@ def _commit() -> str | None:
 
 
 def record(benchmark: str, result: Any, command: list[str], results: pathlib.Path = RESULTS) -> pathlib.Path:
-    """Append ``result`` (JSON-serialisable) as one line of ``<results>/<benchmark>.jsonl``."""
+    """Append ``result`` (JSON-serialisable) as one line of ``<results>/<benchmark>.jsonl``, with the
+    commit (``-dirty`` and ``"clean": false`` when the tree had uncommitted changes)."""
+    commit = _commit()
     row = {
         "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": _commit(),
+        "commit": commit,
+        # Uncommitted changes: the row is kept but marked, and the generated tables leave it out.
+        "clean": bool(commit) and not commit.endswith("-dirty"),
         "machine": machine(),
         "command": f"python -m experiments.benchmarks.{benchmark} {shlex.join(command)}".rstrip(),
         "result": result,

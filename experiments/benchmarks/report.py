@@ -114,8 +114,8 @@ def latest_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
             continue
         latest: dict[tuple, dict] = {}
         for row in _rows(path):
-            if row.get("clean") is False:  # recorded from uncommitted changes: kept in the file, never shown
-                continue
+            if row.get("clean") is False or str(row.get("commit")).endswith("-dirty"):
+                continue  # recorded from uncommitted changes: kept in the file, never shown
             machine = row.get("machine", {})
             latest[(row["command"], machine.get("cpu"), machine.get("backend"))] = row
         out[path.stem] = list(latest.values())
