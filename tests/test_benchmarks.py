@@ -252,6 +252,49 @@ def test_a_success_row_from_uncommitted_changes_is_marked_and_left_out_of_the_ta
     assert "no recorded run" in expected_duration("toy_success", ["--train.steps", "6"], tmp_path)
 
 
+def test_runs_that_differ_only_in_the_training_seed_are_reported_together(tmp_path, monkeypatch):
+    """Several training runs of one setting (a loop over ``--train.seed``, each with ``--record``):
+    the mean, the min-max and each run's interval; other settings and dirty rows stay apart."""
+    from experiments import record
+    from experiments.benchmarks import report
+    from experiments.toy import toy
+
+    monkeypatch.setattr(record, "machine", lambda matmul_rate=False: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
+    runs = [
+        ("abc", 0, 0.8, []),
+        ("abc", 1, 0.9, []),
+        ("abc", 2, 0.7, []),
+        ("abc-dirty", 3, 0.1, []),
+        ("abc", 0, 0.2, ["--x"]),
+    ]
+    for commit, seed, rate, extra in runs:
+        monkeypatch.setattr(record, "_commit", lambda commit=commit: commit)
+        overrides = [
+            "--task",
+            "pick_place",
+            "--train.seed",
+            str(seed),
+            "--workdir",
+            f"runs/s{seed}",
+            "--record",
+            *extra,
+        ]
+        row = record.success_row(
+            "toy_success",
+            toy(),
+            result={"success_rate": rate, "success_ci95": [rate - 0.1, rate + 0.05], "episodes": 128},
+            seeds={"training": seed, "test": 1},
+            wall_s={"training": 1.0},
+            overrides=overrides,
+        )
+        record.append(row, tmp_path)
+    (group,) = report.training_runs(tmp_path)["toy_success"]
+    assert group["setting"] == "--task pick_place" and len(group["runs"]) == 3
+    assert abs(group["mean"] - 0.8) < 1e-9 and (group["min"], group["max"]) == (0.7, 0.9)
+    table = report.render(tmp_path)
+    assert "| `--task pick_place` | 3 | 80.0% | 70.0-90.0% | seed 0: 80.0% (70.0-85.0%), `abc`" in table
+
+
 def test_a_heartbeat_prints_while_a_silent_phase_runs():
     import io
     import time

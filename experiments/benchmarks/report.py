@@ -122,6 +122,79 @@ def latest_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
     return out
 
 
+# Overrides that name where a run writes or how it is recorded, not what it measures.
+_BOOKKEEPING = ("--record", "--shared-machine", "--metrics.no-progress-bar")
+_PER_RUN = ("--train.seed", "--workdir")  # flags with a value that differs between repeated runs
+
+
+def _setting(overrides: list[str]) -> tuple[str, ...]:
+    """A learning row's overrides without its training seed, run directory and bookkeeping flags."""
+    out, skip = [], False
+    for flag in overrides:
+        if skip:
+            skip = False
+            continue
+        name = flag.split("=", 1)[0]
+        if name in _PER_RUN:
+            skip = "=" not in flag
+            continue
+        if name not in _BOOKKEEPING:
+            out.append(flag)
+    return tuple(out)
+
+
+def training_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
+    """Per learning benchmark, the settings repeated over several training seeds: each group's clean
+    rows (the latest per seed) with the mean, min and max success rate."""
+    out: dict[str, list[dict]] = {}
+    for path in sorted(results.glob("*.jsonl")):
+        groups: dict[tuple, dict[Any, dict]] = {}
+        for row in _rows(path):
+            if "seeds" not in row or not row.get("clean") or "success_rate" not in row.get("result", {}):
+                continue
+            key = (_setting(row.get("overrides", [])), row["machine"].get("cpu"))
+            groups.setdefault(key, {})[row["seeds"].get("training")] = row
+        for (setting, _), by_seed in groups.items():
+            if len(by_seed) < 2:
+                continue
+            rates = [r["result"]["success_rate"] for r in by_seed.values()]
+            out.setdefault(path.stem, []).append(
+                {
+                    "setting": " ".join(setting),
+                    "runs": list(by_seed.values()),
+                    "mean": sum(rates) / len(rates),
+                    "min": min(rates),
+                    "max": max(rates),
+                }
+            )
+    return out
+
+
+def _training_runs_table(benchmark: str, groups: list[dict]) -> list[str]:
+    lines = [
+        f"{benchmark} over training seeds (clean rows; each run's 95% interval):",
+        "",
+        "| settings | runs | mean | min-max | each run: training seed, success (95% CI), commit |",
+        "|---|---|---|---|---|",
+    ]
+    for g in groups:
+        each = "<br>".join(
+            f"seed {r['seeds'].get('training')}: {100 * r['result']['success_rate']:.1f}% "
+            f"({100 * r['result']['success_ci95'][0]:.1f}-{100 * r['result']['success_ci95'][1]:.1f}%), "
+            f"`{r['commit']}`"
+            for r in g["runs"]
+        )
+        cells = (
+            f"`{g['setting'] or 'defaults'}`",
+            str(len(g["runs"])),
+            f"{100 * g['mean']:.1f}%",
+            f"{100 * g['min']:.1f}-{100 * g['max']:.1f}%",
+            each,
+        )
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return [*lines, ""]
+
+
 def _key(configuration: dict) -> str:
     return json.dumps(configuration, sort_keys=True)
 
@@ -174,7 +247,7 @@ def _anchor_table(anchors: list[dict]) -> list[str]:
 
 def render(results: pathlib.Path = RESULTS) -> str:
     lines = [BEGIN, ""]
-    runs, anchors = latest_runs(results), latest_anchors(results)
+    runs, anchors, repeated = latest_runs(results), latest_anchors(results), training_runs(results)
     if not runs:
         lines += ["No recorded runs yet: run a benchmark with `--record`.", ""]
     for benchmark in [*runs, *(b for b in anchors if b not in runs)]:
@@ -205,6 +278,8 @@ def render(results: pathlib.Path = RESULTS) -> str:
             cells += (_anchor_cell(benchmark, row, matched),)
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
         lines.append("")
+        if benchmark in repeated:
+            lines += _training_runs_table(benchmark, repeated[benchmark])
         if anchored:
             lines += [f"Anchors of {benchmark} (`results/{ANCHORS}.jsonl`):", "", *_anchor_table(anchored), ""]
     lines.append(END)
