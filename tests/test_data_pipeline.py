@@ -230,3 +230,19 @@ def test_convert_cli_with_resize(raw, tmp_path, subprocess_env):
     assert f"verified {len(LENGTHS)} episodes, {sum(LENGTHS)} frames" in result.stdout
     image = fs.read_array(destination / "frames/observation.images.front/episode_000001")
     assert image.shape == (LENGTHS[1], 24, 20, 3)
+
+
+def test_a_blind_state_is_zeros_for_the_model_and_old_configs_read_back_with_it_off():
+    from embodied_jax import config_registry
+    from embodied_jax.data.sample_transform import ModelInputs
+
+    sample = {"observation.state": np.array([0.5, -0.2, 0.1, 1.0], np.float32), "task": "t", "cam": np.zeros((2, 2, 3))}
+    inputs = ModelInputs(cameras=(("cam", "base_0_rgb"),))
+    np.testing.assert_array_equal(inputs.rename(sample)["state"], sample["observation.state"])
+    blind = dataclasses.replace(inputs, blind_state=True)
+    out = blind.rename(sample)
+    assert out["state"].shape == (4,) and not out["state"].any() and out["images"]["base_0_rgb"] is sample["cam"]
+    saved = config_registry.to_dict(inputs)
+    saved["config"].pop("blind_state")
+    assert config_registry.from_dict(saved) == inputs  # a run saved before the field existed
+    assert config_registry.from_dict(config_registry.to_dict(blind)) == blind

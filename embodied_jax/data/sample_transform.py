@@ -30,11 +30,19 @@ from embodied_jax.data.transforms import AugmentConfig, ImageTransform
 @register
 @dataclasses.dataclass(frozen=True)
 class ModelInputs:
-    """Dataset keys -> the model input builder's sample layout."""
+    """Dataset keys -> the model input builder's sample layout.
+
+    ``blind_state``: the model sees zeros in place of the (normalised) state, in training and when
+    served alike; a policy then has to take where things are from its images (the state shortcut:
+    from the hand's position alone a policy can guess how far along a scripted path it is, and keep
+    going past the goal it never looked at)."""
+
+    ADDED_FIELDS = ("blind_state",)  # runs saved before it read back with the default
 
     state_key: str = "observation.state"
     action_key: str = "action"
     cameras: tuple[tuple[str, str], ...] = ()  # (dataset camera key, model camera slot)
+    blind_state: bool = False
 
     @property
     def camera_keys(self) -> tuple[str, ...]:
@@ -44,9 +52,10 @@ class ModelInputs:
         missing = [k for k in (self.state_key, "task", *self.camera_keys) if k not in sample]
         if missing:
             raise KeyError(f"sample has no {missing} (keys: {sorted(sample)})")
+        state = np.asarray(sample[self.state_key], np.float32)
         out = {
             "task": str(sample["task"]),
-            "state": np.asarray(sample[self.state_key], np.float32),
+            "state": np.zeros_like(state) if self.blind_state else state,
             "images": {slot: sample[key] for key, slot in self.cameras},
         }
         if self.action_key in sample:
