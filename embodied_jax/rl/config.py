@@ -40,7 +40,9 @@ class RLConfig:
     keep_last: int = 3
     eval_every: int = 0  # iterations between held-out evaluations (0: only at the end)
     eval_envs: int = 128
-    eval_seed: int = 1_000_003  # held-out reset seeds: the rollouts draw theirs from ``seed``
+    # Held-out reset seeds (sim.seeds.VALIDATION_SEED: RL settings are chosen on these episodes; a
+    # reported figure evaluates the result on the test seed): the rollouts draw theirs from ``seed``.
+    eval_seed: int = 2
     seed: int = 0
 
     def __post_init__(self):
