@@ -95,7 +95,10 @@ def _commit() -> str | None:
     root = pathlib.Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
+        # Rows appended under results/ are outputs, not what ran: they leave a checkout clean.
+        outputs = f":(exclude){RESULTS.relative_to(root)}"
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", outputs]
+        dirty = subprocess.run(status, cwd=root, capture_output=True)
     except OSError:
         return None
     if head.returncode != 0:
