@@ -1,7 +1,7 @@
 """``--record`` for learning results: one JSON row per run in ``experiments/benchmarks/results/<name>.jsonl``.
 
 A row holds what an outsider needs to rerun and judge the figure: the commit (``-dirty`` and
-``"clean": false`` when the tree had uncommitted changes; the docs' tables take clean rows only),
+``"clean": false`` when the tree had uncommitted changes outside ``results/``; the docs' tables take clean rows only),
 the hash of the run's whole config and the command-line overrides, the seeds (training and each
 evaluation's), the episodes, success with its 95% interval, the wall time split into collection,
 training and evaluation, and the machine (whether other work shared it is the recorder's word:
