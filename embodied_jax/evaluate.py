@@ -24,7 +24,6 @@ import json
 import logging
 import pathlib
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -341,12 +340,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PX",
         help="Meta-World: square render size (default: the policy's input size; 480 is LeRobot's)",
     )
-    parser.add_argument(
-        "--record",
-        action="store_true",
-        help="append the result to experiments/benchmarks/results/evaluate.jsonl (a source checkout's)",
-    )
-    parser.add_argument("--shared-machine", action="store_true", help="for --record: other work shared the machine")
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     # The project's own warnings; absl (Orbax's logger) warns about its type-handler registry on every start.
@@ -381,7 +374,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise EvaluationError(f"cannot write the report to {out}: {exc.strerror}; choose another --out") from exc
-        started = time.perf_counter()
         if metaworld_task:
             print(f"evaluating step {bundle.step} of {args.ckpt} on {args.task} in Meta-World ...", flush=True)
             metrics = evaluate_metaworld(
@@ -413,35 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(exc, verbose=args.verbose)
     print(summary_line(metrics))
     print("\n".join(detail_lines(metrics) + report_lines(metrics, out)))
-    if args.record:
-        command_line = list(sys.argv[1:] if argv is None else argv)
-        print(f"recorded: {record_evaluation(bundle, metrics, args, time.perf_counter() - started, command_line)}")
     return 0
-
-
-def record_evaluation(
-    bundle: PolicyBundle, metrics: dict[str, Any], args: argparse.Namespace, seconds: float, command_line: list[str]
-) -> str:
-    """One row in ``experiments/benchmarks/results/evaluate.jsonl`` (``experiments.record``; a
-    source checkout's): the checkpoint's config hash, the command line, the seeds, the figures."""
-    try:
-        from experiments import record
-    except ImportError as exc:
-        raise EvaluationError("--record writes into a source checkout's experiments/: run from one") from exc
-    result = record.closed_loop_result(metrics)
-    if args.task.startswith(METAWORLD):
-        result = {**result, "group_average": metrics["group_average"], "per_difficulty": metrics["per_difficulty"]}
-    row = record.success_row(
-        "evaluate",
-        bundle.config,
-        result={**result, "checkpoint": str(args.ckpt)},
-        seeds={"training": bundle.config.train.seed, "evaluation": metrics["seed"]},
-        wall_s={"evaluation": seconds},
-        overrides=command_line,
-        shared_machine=args.shared_machine,
-        command="python -m embodied_jax.evaluate",
-    )
-    return str(record.append(row)) + ("" if row["clean"] else " (uncommitted changes: marked dirty)")
 
 
 if __name__ == "__main__":

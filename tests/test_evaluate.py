@@ -45,29 +45,10 @@ def evaluated(demo_run, tmp_path_factory):
         evaluated_frames.append(sample.get("frame_index"))
         return transform(self, sample, rng)
 
-    from experiments import record
-
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setattr(SampleTransform, "__call__", spy)
-        patch.setattr(record, "append", lambda row: recorded_rows.append(row) or run / "evaluate.jsonl")
-        status = main([str(run / "checkpoints"), "--task", "reach", "--envs", "2", "--videos", "1", "--record"])
+        status = main([str(run / "checkpoints"), "--task", "reach", "--envs", "2", "--videos", "1"])
     return run, status, printed.getvalue()
-
-
-recorded_rows: list = []  # what the evaluated fixture's --record appended
-
-
-def test_record_keeps_the_figures_seeds_config_and_command(evaluated, bundle):
-    run, status, printed = evaluated
-    assert status == 0, printed
-    (row,) = recorded_rows
-    assert row["benchmark"] == "evaluate" and row["result"]["task"] == "reach" and row["result"]["episodes"] == 2
-    assert row["result"]["success_ci95"][0] <= row["result"]["success_rate"] <= row["result"]["success_ci95"][1]
-    assert row["seeds"] == {"training": bundle.config.train.seed, "evaluation": 1}  # the test seed by default
-    assert row["command"].startswith("python -m embodied_jax.evaluate") and "--record" in row["overrides"]
-    assert len(row["config_hash"]) == 16 and set(row["wall_s"]) == {"evaluation"}
-    assert row["clean"] == (bool(row["commit"]) and not row["commit"].endswith("-dirty"))
-    assert f"recorded: {run / 'evaluate.jsonl'}" in printed
 
 
 def test_evaluate_writes_the_demos_report_next_to_the_checkpoints(evaluated, demo_run, bundle):
