@@ -301,7 +301,7 @@ def run_demo(config: DemoConfig) -> int:
             wall_s=wall,
             shared_machine=config.shared_machine,
         )
-        print(f"recorded: {record.append(row)}" + ("" if row["clean"] else " (uncommitted changes: marked dirty)"))
+        print(record.save(row))
     return 0
 
 

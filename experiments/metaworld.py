@@ -233,7 +233,7 @@ def run_metaworld(config: MetaWorldConfig) -> int:
             wall_s=wall,
             shared_machine=config.shared_machine,
         )
-        print(f"recorded: {record.append(row)}" + ("" if row["clean"] else " (uncommitted changes: marked dirty)"))
+        print(record.save(row))
     return 0
 
 

@@ -13,22 +13,19 @@ import time
 from collections.abc import Iterator
 
 from experiments.benchmarks.harness import RESULTS
+from experiments.benchmarks.report import setting
 
 HEARTBEAT_S = 30.0
 
 
 def expected_duration(name: str, overrides: list[str] | None = None, results: pathlib.Path = RESULTS) -> str:
-    """The latest clean row of this command in ``results/<name>.jsonl``: its wall time, its split,
-    its machine and whether other work shared the machine; or that there is none yet."""
-    overrides = list(sys.argv[2:] if overrides is None else overrides)
-    wanted = [o for o in overrides if o not in ("--record", "--shared-machine")]
+    """The latest clean row in ``results/<name>.jsonl`` of this command's setting (its overrides
+    less the training seed, run directory and bookkeeping flags, ``report.setting``): its wall time,
+    its split, its machine and whether other work shared the machine; or that there is none yet."""
+    wanted = setting(list(sys.argv[2:] if overrides is None else overrides))
     path = results / f"{name}.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    same = [
-        r
-        for r in rows
-        if r.get("clean") and [o for o in r.get("overrides", []) if o not in ("--record", "--shared-machine")] == wanted
-    ]
+    same = [r for r in rows if r.get("clean") and setting(r.get("overrides", [])) == wanted]
     if not same:
         return f"expected duration: no recorded run of this command yet (results/{name}.jsonl)"
     row = same[-1]

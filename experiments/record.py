@@ -37,12 +37,9 @@ def success_row(
     wall_s: Mapping[str, float],
     overrides: list[str] | None = None,
     shared_machine: bool = False,
-    command: str | None = None,
 ) -> dict[str, Any]:
-    """``command``: the program the overrides are passed to (default: ``experiments.launch NAME``)."""
     commit = _commit()
     overrides = list(sys.argv[2:] if overrides is None else overrides)
-    command = command or f"python -m experiments.launch {name}"
     return {
         "benchmark": name,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -53,7 +50,7 @@ def success_row(
         "seeds": dict(seeds),
         "wall_s": {k: round(float(v), 1) for k, v in wall_s.items()},
         "machine": {**machine(matmul_rate=False), "shared": bool(shared_machine)},
-        "command": " ".join([command, *overrides]),
+        "command": " ".join([f"python -m experiments.launch {name}", *overrides]),
         "result": dict(result),
     }
 
@@ -65,6 +62,11 @@ def append(row: Mapping[str, Any], results: pathlib.Path = RESULTS) -> pathlib.P
     with path.open("a") as f:
         f.write(json.dumps(row, default=float) + "\n")
     return path
+
+
+def save(row: Mapping[str, Any]) -> str:
+    """Append ``row`` (:func:`append`) and say where, and whether it is marked dirty."""
+    return f"recorded: {append(row)}" + ("" if row["clean"] else " (uncommitted changes: marked dirty)")
 
 
 def closed_loop_result(metrics: Mapping[str, Any]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ def run_rl(config: RLExperimentConfig) -> int:
             wall_s={"training": seconds},
             shared_machine=config.shared_machine,
         )
-        print(f"recorded: {record.append(row)}" + ("" if row["clean"] else " (uncommitted changes: marked dirty)"))
+        print(record.save(row))
     return 0
 
 

@@ -58,7 +58,7 @@ HEADLINES = {
         )
         for name in ("metaworld_mt50", "metaworld_mt50_gr00t", "metaworld_mt10", "metaworld")
     },
-    **{name: ("success_rate", "episodes", "step", "seed") for name in ("demo", "demo_gr00t", "evaluate")},
+    **{name: ("success_rate", "episodes", "step", "seed") for name in ("demo", "demo_gr00t")},
 }
 MAX_FIGURES = 8
 # The reference a benchmark measures in its own run: (what it is, its figures' keys).
@@ -127,7 +127,7 @@ _BOOKKEEPING = ("--record", "--shared-machine", "--metrics.no-progress-bar")
 _PER_RUN = ("--train.seed", "--workdir")  # flags with a value that differs between repeated runs
 
 
-def _setting(overrides: list[str]) -> tuple[str, ...]:
+def setting(overrides: list[str]) -> tuple[str, ...]:
     """A learning row's overrides without its training seed, run directory and bookkeeping flags."""
     out, skip = [], False
     for flag in overrides:
@@ -152,15 +152,15 @@ def training_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
         for row in _rows(path):
             if "seeds" not in row or not row.get("clean") or "success_rate" not in row.get("result", {}):
                 continue
-            key = (_setting(row.get("overrides", [])), row["machine"].get("cpu"))
+            key = (setting(row.get("overrides", [])), row["machine"].get("cpu"))
             groups.setdefault(key, {})[row["seeds"].get("training")] = row
-        for (setting, _), by_seed in groups.items():
+        for (flags, _), by_seed in groups.items():
             if len(by_seed) < 2:
                 continue
             rates = [r["result"]["success_rate"] for r in by_seed.values()]
             out.setdefault(path.stem, []).append(
                 {
-                    "setting": " ".join(setting),
+                    "setting": " ".join(flags),
                     "runs": list(by_seed.values()),
                     "mean": sum(rates) / len(rates),
                     "min": min(rates),

@@ -148,8 +148,9 @@ def loop_episodes_per_s(env: env_lib.Env, episodes: int, act) -> tuple[float, st
     reset = jax.jit(env.reset)
 
     def tracked_success(qpos, info):
-        info = task.track(types.SimpleNamespace(qpos=qpos), info)
-        return task.success(types.SimpleNamespace(qpos=qpos), info), info
+        data = types.SimpleNamespace(qpos=qpos)
+        info = task.track(data, info)
+        return task.success(data, info), info
 
     success = jax.jit(tracked_success)
     render, how = _per_env_renderer(env)
