@@ -121,6 +121,12 @@ class PolicyConfig(abc.ABC):
         """Parameter-path regexes the model itself keeps frozen (added to ``optimizer.freeze``)."""
         return ()
 
+    def action_expert_regexes(self) -> tuple[str, ...]:
+        """Parameter-path regexes of the part that turns the observation's features into the
+        action (the action expert): what reinforcement learning trains by default while the
+        vision tower and the language model stay fixed. Default: every parameter."""
+        return (r".*",)
+
     def training_flops(self, batch: Batch) -> dict[str, float] | None:
         """Analytic FLOPs of one training step on ``batch`` (NumPy), ``{"weights", "attention",
         "unused"}``; None when the family has no count."""

@@ -13,6 +13,7 @@ import pytest
 from embodied_jax.rl.config import RLConfig, RLExperimentConfig
 from embodied_jax.rl.ppo import PPOSettings
 from embodied_jax.train.config import MetricsConfig
+from embodied_jax.train.optimizer import path_str
 
 TIMINGS = {"rollout_s", "update_s", "env_steps_per_s", "decisions_per_s"}
 
@@ -29,6 +30,7 @@ def _config(demo_run, workdir, iterations):
             checkpoint_every=1,
             eval_envs=0,
             policy_lr=1e-3,
+            shaping=0.1,  # dense rewards: advantages that are not all zero when no episode succeeds
             ppo=PPOSettings(epochs=1, minibatches=2),
         ),
     )
@@ -64,6 +66,15 @@ def test_rl_run_resumes_with_identical_metrics_and_loads_with_load_policy(demo_r
     assert bundle.step == 2
     changed = jax.tree.map(lambda p, q: float(np.abs(np.asarray(p) - np.asarray(q)).max()), bundle.params, start.params)
     assert max(jax.tree.leaves(changed)) > 0  # the update moved the policy
+    # only its action expert (RLConfig.train's default): vision tower, projector and the VLM's stream bit-identical
+    moved = {path_str(k) for k, v in jax.tree_util.tree_leaves_with_path(changed) if v > 0}
+    fixed = {path_str(k) for k, _ in jax.tree_util.tree_leaves_with_path(changed)} - moved
+    assert moved and all(
+        p.startswith(("llm/layers/experts/1/", "llm/final_norms/1/", "action_", "time_mlp")) for p in moved
+    )
+    assert any(p.startswith("vision_tower/") for p in fixed) and any(
+        p.startswith("llm/layers/experts/0/") for p in fixed
+    )
     again = load_policy(tmp_path / "whole")
     same = jax.tree.map(lambda p, q: np.array_equal(np.asarray(p), np.asarray(q)), bundle.params, again.params)
     assert all(jax.tree.leaves(same))  # resumed and uninterrupted runs end with the same weights

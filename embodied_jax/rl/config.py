@@ -23,8 +23,9 @@ class RLConfig:
     iterations: int = 50
     minutes: float | None = None  # stop after this much wall time (checkpointed), whichever first
     # Flow-SDE (nn/flow.py): the noise level a and which denoising steps are stochastic (None: all).
-    noise_level: float = 1.0
-    stochastic_steps: tuple[int, ...] | None = (0,)
+    # Every step stochastic, so the likelihood ratio sees each step that moves the executed chunk.
+    noise_level: float = 0.5
+    stochastic_steps: tuple[int, ...] | None = None
     num_inference_steps: int | None = None  # the sampler's steps (None: the model's own)
     gamma: float = 0.99  # per decision
     lam: float = 0.95
@@ -32,14 +33,23 @@ class RLConfig:
     groups: int = 8  # GRPO: reset-key groups (num_envs / groups episodes share each initial state)
     shaping: float = 0.0  # weight of the task's dense reward next to the success reward of 1
     ppo: PPOSettings = PPOSettings()
+    # "action_expert": only the model's action expert trains (PolicyConfig.action_expert_regexes), the
+    # vision tower and the VLM stay bit-identical; "all": every weight.
+    train: str = "action_expert"
+    # RL starts from the run's EMA weights and trains them directly; those trained weights are the ones
+    # evaluated and checkpointed (as both params and EMA): no EMA is kept during RL.
     policy_lr: float = 1e-5
     critic_lr: float = 1e-3
+    privileged_critic: bool = True  # the critic sees the simulator's privileged state (never deployed)
     max_grad_norm: float = 1.0
     critic_width: int = 128
     checkpoint_every: int = 5  # iterations (and at the end, and on SIGTERM)
     keep_last: int = 3
     eval_every: int = 0  # iterations between held-out evaluations (0: only at the end)
     eval_envs: int = 128
+    # With eval_every: the start is evaluated first, and the run stops when this many evaluations in a
+    # row fall below it (0: never).
+    stop_below_start: int = 3
     # Held-out reset seeds (sim.seeds.VALIDATION_SEED: RL settings are chosen on these episodes; a
     # reported figure evaluates the result on the test seed): the rollouts draw theirs from ``seed``.
     eval_seed: int = 2
@@ -50,6 +60,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.advantage must be 'gae' or 'grpo', got {self.advantage!r}")
         if self.advantage == "grpo" and (self.groups < 1 or self.num_envs % self.groups):
             raise ValueError(f"RLConfig.num_envs={self.num_envs} must be a multiple of groups={self.groups}")
+        if self.train not in ("action_expert", "all"):
+            raise ValueError(f"RLConfig.train must be 'action_expert' or 'all', got {self.train!r}")
         if self.noise_level <= 0:
             raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
 

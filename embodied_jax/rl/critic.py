@@ -1,8 +1,10 @@
-"""The value network: a small MLP of the robot's state and the episode's progress.
+"""The value network: a small MLP of the critic's input and the episode's progress.
 
-A separate critic, not a head on the VLM's features: on the built-in tasks the robot state
-and the decision's place in the episode carry what the value depends on, and the critic then
-costs nothing next to the policy's forward pass (``docs/rl.md``).
+The input is the robot state and, by default, the simulator's privileged state (objects' and
+goal's poses, latched facts: ``rollout.critic_input``): what decides success on a manipulation
+task is where the object is, which the policy sees only in its images. The critic is never
+deployed, so nothing privileged reaches the policy. A separate network rather than a head on
+the policy's features: it costs nothing next to the policy's forward pass (``docs/rl.md``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ class Critic(nnx.Module):
         self.out = nnx.Linear(dims[-1], 1, kernel_init=nnx.initializers.zeros, rngs=rngs)
 
     def __call__(self, state: jax.Array, progress: jax.Array) -> jax.Array:
-        """Values [B] of robot states [B, S] at ``progress`` [B] (decisions taken / per episode)."""
+        """Values [B] of critic inputs [B, S] at ``progress`` [B] (decisions taken / per episode)."""
         h = jnp.concatenate([jnp.asarray(state, jnp.float32), progress[:, None].astype(jnp.float32)], axis=-1)
         for layer in self.layers:
             h = jnp.tanh(layer(h))

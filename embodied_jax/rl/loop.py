@@ -34,11 +34,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from embodied_jax.rl import advantages, ppo
+from embodied_jax.rl import advantages, host_rollout, ppo
 from embodied_jax.rl import rollout as rollout_lib
 from embodied_jax.rl.checkpoint import RLCheckpointer
 from embodied_jax.rl.config import RLExperimentConfig
 from embodied_jax.rl.critic import Critic
+from embodied_jax.rl.diagnostics import rollout_diagnostics
+from embodied_jax.rl.scope import Scope
 from embodied_jax.rl.start import Start, start
 from embodied_jax.train.loop import NonFiniteLossError, Preempted, SignalFlag
 from embodied_jax.train.metrics import MetricsWriter
@@ -55,6 +57,7 @@ class RLResult:
     iterations: int  # completed
     history: list[dict[str, float]]
     evaluation: dict[str, Any] | None  # the final held-out evaluation (runs only)
+    stopped: str | None = None  # why the run ended before ``rl.iterations`` (time, a fall below the start)
 
 
 def critic_functions(state_dim: int, width: int, seed: int):
@@ -101,6 +104,34 @@ class HeldOutEvaluation:
         return self.evaluator(jax.random.key(self.seed), params=model_state, out_dir=out_dir)
 
 
+class MetaWorldHeldOut:
+    """The policy as deployed (the bundle's ``predict``) in Meta-World's evaluation
+    (``sim.metaworld.evaluate``, LeRobot's protocol) on the held-out seed: ``rl.eval_envs`` episodes
+    per task of ``rl.task``."""
+
+    def __init__(self, st: Start, config: RLExperimentConfig, execute_steps: int):
+        from embodied_jax.sim import metaworld
+
+        rl, evaluation = config.rl, st.base.evaluation
+        self.st, self.tasks, self.image_size = st, rl.task, tuple(evaluation.image_size)
+        self.settings = dataclasses.replace(
+            evaluation.settings(),
+            episodes=rl.eval_envs,
+            envs=min(evaluation.envs, rl.eval_envs),
+            execute_steps=execute_steps,
+            seed=rl.eval_seed,
+        )
+        self.evaluate = metaworld.evaluate
+
+    def __call__(self, params, out_dir: pathlib.Path | None = None) -> dict[str, Any]:
+        bundle = self.st.bundle_with(params)
+
+        def policy(batch, call_seed):
+            return bundle.predict(batch, rng=jax.random.key(call_seed))
+
+        return self.evaluate(policy, self.tasks, self.settings, image_size=self.image_size)
+
+
 def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
     rl = config.rl
     workdir = pathlib.Path(config.workdir)
@@ -117,16 +148,25 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             decisions=rollout_lib.decisions_per_episode(st.env.episode_limit, k),
             shaping=rl.shaping,
             groups=rl.groups if rl.advantage == "grpo" else None,
+            privileged_critic=rl.privileged_critic,
         )
-        critic, critic_params = critic_functions(rollout_lib.state_width(st.env), rl.critic_width, rl.seed)
+        if st.host_stepped:
+            critic_in = host_rollout.critic_width(st.env, rl.privileged_critic)
+        else:
+            critic_in = rollout_lib.critic_width(st.env, rl.privileged_critic)
+        critic, critic_params = critic_functions(critic_in, rl.critic_width, rl.seed)
         policy_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.policy_lr))
         critic_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.critic_lr))
-        params = st.params
+        params, fixed = st.scope.partition(st.params)  # params: the weights RL moves; fixed: the rest
         if len(devices) == 1:  # the updates' outputs live on the device uncommitted to a mesh: no retrace
-            params, critic_params = jax.device_put((params, critic_params), devices[0])
+            params, fixed, critic_params = jax.device_put((params, fixed, critic_params), devices[0])
         opt_states = (policy_opt.init(params), critic_opt.init(critic_params))
-        with st.rt.context():
-            rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec, mesh=_mesh(devices))
+        if st.host_stepped:
+            rollout = host_rollout.make_host_rollout(st.env, st.agent, critic, spec)
+            cleanup.callback(st.env.close)
+        else:
+            with st.rt.context():
+                rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec, mesh=_mesh(devices))
         update = ppo.make_update(st.agent, critic, rl.ppo, policy_opt, critic_opt)
         minibatch = spec.decisions * rl.num_envs // rl.ppo.minibatches
         score = jax.jit(lambda p, batch: chain_scores(st.agent, p, batch, minibatch))
@@ -152,11 +192,12 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
 
         ckpt = RLCheckpointer(workdir, rl.keep_last)
         cleanup.callback(ckpt.close)
-        counters = {"iteration": 0, "env_steps": 0, "elapsed_s": 0.0}
+        counters = {"iteration": 0, "env_steps": 0, "elapsed_s": 0.0, "start_success": -1.0, "below_start": 0}
         latest = ckpt.latest()
         if latest is not None:
             template = {"critic": critic_params, "opt": opt_states, "counters": _counters_array(counters)}
-            params, restored = ckpt.restore(latest, st, template)
+            full, restored = ckpt.restore(latest, st, template)
+            params, _ = st.scope.partition(full)
             critic_params, opt_states = restored["critic"], restored["opt"]
             counters = {k_: v.item() for k_, v in restored["counters"].items()}
             log.info("resumed %s at iteration %d", workdir, counters["iteration"])
@@ -169,23 +210,29 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             resumed_from=latest,
         )
         cleanup.callback(metrics.close)
-        held_out = HeldOutEvaluation(st, config, k) if st.bundle is not None and rl.eval_envs else None
+        held_out = None
+        if st.bundle is not None and rl.eval_envs:
+            held_out = (MetaWorldHeldOut if st.host_stepped else HeldOutEvaluation)(st, config, k)
+        watch = held_out is not None and rl.eval_every > 0 and rl.stop_below_start > 0
+        if watch and counters["start_success"] < 0:
+            counters["start_success"] = held_out(st.params)["success_rate"]
+            metrics.write(0, {f"eval/{rl.task}/success_rate": counters["start_success"]})
         began, base_elapsed = time.monotonic(), counters["elapsed_s"]
         skips = 0
-        final = None
+        final = stopped = None
         it = counters["iteration"]
         while it < rl.iterations:
             key = jax.random.fold_in(jax.random.key(rl.seed), it)
             k_roll, k_update = jax.random.split(key)
             t0 = time.perf_counter()
-            batch_rollout = rollout(params, critic_params, k_roll)
+            batch_rollout = rollout(Scope.combine(params, fixed), critic_params, k_roll)
             jax.block_until_ready(batch_rollout.success)
             t_roll = time.perf_counter() - t0
             adv, returns = _advantages(rl, batch_rollout)
             batch = ppo.flat_decisions(batch_rollout, adv, returns, batch_rollout.log_prob)
             t0 = time.perf_counter()
             batch["start_log_prob"], kl_to_start = start_log_prob(batch, jax.random.fold_in(k_update, 1))
-            new = update(params, critic_params, opt_states, batch, k_update)
+            new = update(params, fixed, critic_params, opt_states, batch, k_update)
             jax.block_until_ready(new)
             t_update = time.perf_counter() - t0
             row = {k_: float(v) for k_, v in new[3].items()}
@@ -215,11 +262,13 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
                 update_s=t_update,
                 env_steps=counters["env_steps"],
                 skips=skips,
+                **rollout_diagnostics(batch_rollout, adv, returns),
             )
             over_time = rl.minutes is not None and counters["elapsed_s"] >= 60 * rl.minutes
             last = it >= rl.iterations or over_time or stop.signum is not None
+            fell = False
             if held_out is not None and (last or (rl.eval_every and it % rl.eval_every == 0)):
-                result = held_out(params, workdir / "eval" if last else None)
+                result = held_out(Scope.combine(params, fixed), workdir / "eval" if last else None)
                 if last:
                     final = {**result, "iteration": it, "seed": rl.eval_seed}
                     (workdir / "eval").mkdir(exist_ok=True)
@@ -227,21 +276,37 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
                 row.update(
                     {
                         f"eval/{rl.task}/success_rate": result["success_rate"],
-                        f"eval/{rl.task}/mean_return": result["mean_return"],
                     }
                 )
+                if "mean_return" in result:
+                    row[f"eval/{rl.task}/mean_return"] = result["mean_return"]
+                if watch:
+                    below = result["success_rate"] < counters["start_success"]
+                    counters["below_start"] = counters["below_start"] + 1 if below else 0
+                    fell = counters["below_start"] >= rl.stop_below_start
+            if fell and not last:  # this evaluation is the final one
+                final = {**result, "iteration": it, "seed": rl.eval_seed}
+                (workdir / "eval").mkdir(exist_ok=True)
+                (workdir / "eval" / "results.json").write_text(json.dumps(final, indent=2))
             metrics.write(it, row)
-            if last or it % rl.checkpoint_every == 0:
+            if last or fell or it % rl.checkpoint_every == 0:
                 lock.check()
-                ckpt.save(
-                    it, st, params, {"critic": critic_params, "opt": opt_states, "counters": _counters_array(counters)}
-                )
+                rest = {"critic": critic_params, "opt": opt_states, "counters": _counters_array(counters)}
+                ckpt.save(it, st, Scope.combine(params, fixed), rest)
             if stop.signum is not None:
                 raise Preempted(stop.signum or signal.SIGTERM, it)
+            if fell:
+                stopped = (
+                    f"held-out success fell below the start's {counters['start_success']:.1%} in "
+                    f"{rl.stop_below_start} evaluations in a row"
+                )
+                log.warning("stopping at iteration %d: %s", it, stopped)
+                break
             if over_time:
+                stopped = f"{rl.minutes} minutes (rl.minutes)"
                 log.info("stopping after %.1f minutes (rl.minutes)", counters["elapsed_s"] / 60)
                 break
-        return RLResult(workdir, it, metrics.history, final)
+        return RLResult(workdir, it, metrics.history, final, stopped)
 
 
 def _advantages(rl, r):
@@ -258,6 +323,8 @@ def _counters_array(counters: dict) -> dict:
         "iteration": np.asarray(counters["iteration"], np.int32),
         "env_steps": np.asarray(counters["env_steps"], np.int32),
         "elapsed_s": np.asarray(counters["elapsed_s"], np.float32),
+        "start_success": np.asarray(counters["start_success"], np.float32),
+        "below_start": np.asarray(counters["below_start"], np.int32),
     }
 
 

@@ -3,7 +3,8 @@ loss, an optional KL term to the starting policy, and one update (epochs of mini
 jitted program.
 
 The ratio is ``exp(log π_θ(chain) - log π_old(chain))`` with the chain's Flow-SDE
-log-probability (``nn/flow.py``). The KL to the start is the k3 estimator
+log-probability (``nn/flow.py``); θ is the trainable part of the weights (``rl/scope.py``),
+the rest enters the loss unchanged and gets no gradient. The KL to the start is the k3 estimator
 ``r - 1 - log r`` with ``r = π_start / π_θ`` on the chains sampled (its coefficient ``kl_coef``;
 0: reported, not optimised). Advantages are normalised per minibatch over active decisions.
 """
@@ -20,6 +21,7 @@ import optax
 
 from embodied_jax.config_registry import register
 from embodied_jax.rl.agent import FlowAgent
+from embodied_jax.rl.scope import Scope
 
 
 @register
@@ -37,12 +39,17 @@ def _masked_mean(x, mask):
     return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def ppo_loss(agent: FlowAgent, critic: Callable, settings: PPOSettings, params, critic_params, mb: dict[str, Any]):
+def ppo_loss(
+    agent: FlowAgent, critic: Callable, settings: PPOSettings, params, critic_params, mb: dict[str, Any], fixed=None
+):
     """(loss, metrics) of one minibatch of flat decisions (``mb``: model_observation, chain, log_prob,
-    start_log_prob, advantage, return, state, progress, active)."""
+    start_log_prob, advantage, return, critic_input, progress, active); with ``fixed`` the policy's
+    weights are ``Scope.combine(params, fixed)``."""
     mask = mb["active"].astype(jnp.float32)
-    log_prob = agent.log_prob(params, mb["model_observation"], mb["chain"])
-    log_ratio = jnp.where(mask > 0, log_prob - mb["log_prob"], 0.0)
+    weights = params if fixed is None else Scope.combine(params, fixed)
+    log_prob = agent.log_prob(weights, mb["model_observation"], mb["chain"])
+    # clamped: a ratio of e^20 is clipped all the same, and exp of more overflows to inf (NaN gradients)
+    log_ratio = jnp.clip(jnp.where(mask > 0, log_prob - mb["log_prob"], 0.0), -20.0, 20.0)
     ratio = jnp.exp(log_ratio)
     adv = mb["advantage"]
     if settings.normalize_advantages:
@@ -51,9 +58,9 @@ def ppo_loss(agent: FlowAgent, critic: Callable, settings: PPOSettings, params, 
         adv = (adv - mean) / (std + 1e-8)
     surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - settings.clip, 1.0 + settings.clip) * adv)
     policy_loss = -_masked_mean(surrogate, mask)
-    value = critic(critic_params, mb["state"], mb["progress"])
+    value = critic(critic_params, mb["critic_input"], mb["progress"])
     value_loss = _masked_mean(jnp.square(value - mb["return"]), mask)
-    log_r = jnp.where(mask > 0, mb["start_log_prob"] - log_prob, 0.0)
+    log_r = jnp.clip(jnp.where(mask > 0, mb["start_log_prob"] - log_prob, 0.0), -20.0, 20.0)
     kl_start = _masked_mean(jnp.exp(log_r) - 1.0 - log_r, mask)
     loss = policy_loss + settings.value_coef * value_loss + settings.kl_coef * kl_start
     metrics = {
@@ -80,7 +87,7 @@ def flat_decisions(rollout, advantages, returns, start_log_prob) -> dict[str, An
         "start_log_prob": flat(start_log_prob),
         "advantage": flat(advantages),
         "return": flat(returns),
-        "state": flat(rollout.state),
+        "critic_input": flat(rollout.critic_input),
         "progress": flat(rollout.progress),
         "active": flat(rollout.active),
     }
@@ -93,15 +100,16 @@ def make_update(
     policy_opt: optax.GradientTransformation,
     critic_opt: optax.GradientTransformation,
 ):
-    """A jitted ``update(params, critic_params, opt_states, batch, key) -> (params, critic_params,
-    opt_states, metrics)``: ``settings.epochs`` passes over ``settings.minibatches`` shuffled
-    minibatches of the flat ``batch``; metrics are the means over minibatches, and
-    ``first_ratio`` the first minibatch's mean ratio (1 up to rounding: nothing has changed yet)."""
+    """A jitted ``update(params, fixed, critic_params, opt_states, batch, key) -> (params,
+    critic_params, opt_states, metrics)``: ``settings.epochs`` passes over ``settings.minibatches``
+    shuffled minibatches of the flat ``batch``, moving the trainable ``params`` (``fixed``: the
+    weights that stay, or None); metrics are the means over minibatches, and ``first_ratio`` the
+    first minibatch's mean ratio (1 up to rounding: nothing has changed yet)."""
     grad_fn = jax.value_and_grad(
-        lambda p, c, mb: ppo_loss(agent, critic, settings, p, c, mb), argnums=(0, 1), has_aux=True
+        lambda p, c, mb, fixed: ppo_loss(agent, critic, settings, p, c, mb, fixed), argnums=(0, 1), has_aux=True
     )
 
-    def update(params, critic_params, opt_states, batch, key):
+    def update(params, fixed, critic_params, opt_states, batch, key):
         n = batch["log_prob"].shape[0]
         if n % settings.minibatches:
             raise ValueError(f"{n} decisions do not split into {settings.minibatches} minibatches")
@@ -110,7 +118,7 @@ def make_update(
         def minibatch(carry, idx):
             params, critic_params, (p_state, c_state) = carry
             mb = jax.tree.map(lambda x: x[idx], batch)
-            (_, metrics), (g_p, g_c) = grad_fn(params, critic_params, mb)
+            (_, metrics), (g_p, g_c) = grad_fn(params, critic_params, mb, fixed)
             up, p_state = policy_opt.update(g_p, p_state, params)
             params = optax.apply_updates(params, up)
             up, c_state = critic_opt.update(g_c, c_state, critic_params)

@@ -3,8 +3,10 @@
 Every ``execute_steps`` (k) control steps each environment takes a decision: the policy samples
 a chunk through Flow-SDE (``agent.FlowAgent.sample``) from the observation of that moment and
 the first k actions are executed (an inner ``lax.scan``); the critic values the decision's
-state. Reset, rendering, the policy's pre- and post-processing, sampling, physics and the
-bookkeeping run on device for the whole batch with no host round trip.
+state, from the robot state and, by default, the simulator's privileged state (object and
+goal poses, latched facts: ``env.privileged_state``), which the policy never sees. Reset,
+rendering, the policy's pre- and post-processing, sampling, physics and the bookkeeping run
+on device for the whole batch with no host round trip.
 
 Each environment's reset key and each decision's sampling key are derived from its global
 index, and each row is sampled on its own (``vmap``), so a rollout sharded over the mesh's
@@ -35,7 +37,8 @@ class Rollout:
     """Time-major [T, B, ...] decisions of one rollout, with per-episode outcomes [B]."""
 
     model_observation: Any  # the policy's inputs at each decision
-    state: jax.Array  # robot state [T, B, S] (the critic's input)
+    critic_input: jax.Array  # [T, B, C] robot state (and the privileged state)
+    first_action: jax.Array  # [T, B, A] the first executed action of each decision (robot units)
     progress: jax.Array  # [T, B] decisions taken / decisions per episode
     chain: jax.Array  # [T, B, num_steps + 1, ...] the sampler's states
     log_prob: jax.Array  # [T, B] the chain's log-probability when sampled
@@ -55,12 +58,24 @@ class RolloutSpec:
     decisions: int  # per episode: ceil(episode limit / execute_steps)
     shaping: float = 0.0
     groups: int | None = None
+    privileged_critic: bool = True  # the critic also sees env.privileged_state
 
 
-def state_width(env: Any) -> int:
-    """The width of the robot state ``env`` observes (the critic's input)."""
-    state = jax.eval_shape(lambda key: env.robot_state(jax.vmap(env.reset)(key[None])), jax.random.key(0))
-    return int(state.shape[-1])
+def critic_input(env: Any, states: Any, robot_state: jax.Array, privileged: bool) -> jax.Array:
+    """The critic's input [B, C] of a batch of states: the robot state, then the privileged state."""
+    if not privileged:
+        return robot_state
+    return jnp.concatenate([robot_state, env.privileged_state(states)], axis=-1)
+
+
+def critic_width(env: Any, privileged: bool = True) -> int:
+    """The width of the critic's input for ``env``."""
+
+    def features(key):
+        states = jax.vmap(env.reset)(key[None])
+        return critic_input(env, states, env.robot_state(states), privileged)
+
+    return int(jax.eval_shape(features, jax.random.key(0)).shape[-1])
 
 
 def decisions_per_episode(episode_limit: int, execute_steps: int) -> int:
@@ -104,7 +119,8 @@ def make_rollout(
             keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(k_policy, r), i))(env_ids)
             decision = jax.vmap(sample_row, in_axes=(None, 0, 0))(params, obs, keys)
             progress = jnp.full((local,), r / decisions, jnp.float32)
-            value = critic(critic_params, obs["state"], progress)
+            features = critic_input(env, states, obs["state"], spec.privileged_critic)
+            value = critic(critic_params, features, progress)
             before = states
 
             def execute(states, j):
@@ -116,7 +132,8 @@ def make_rollout(
             reward = gained + spec.shaping * dense.sum(axis=0)
             record = dict(
                 model_observation=decision.model_observation,
-                state=obs["state"],
+                critic_input=features,
+                first_action=decision.actions[:, 0],
                 progress=progress,
                 chain=decision.chain,
                 log_prob=decision.log_prob,
@@ -144,7 +161,8 @@ def make_rollout(
 
         out_specs = Rollout(
             model_observation=P(None, data_axis),
-            state=P(None, data_axis),
+            critic_input=P(None, data_axis),
+            first_action=P(None, data_axis),
             progress=P(None, data_axis),
             chain=P(None, data_axis),
             log_prob=P(None, data_axis),

@@ -3,7 +3,7 @@
 ``start(config)`` returns a ``Start``: the run's saved config (the one every RL checkpoint
 saves again, so ``load_policy``, ``evaluate``, ``export`` and ``serve`` read an RL checkpoint as
 any other), its runtime, its restored train state and statistics, the environment and the
-``FlowAgent`` whose trainable params are the run's (EMA) weights. For a run, the policy's
+``FlowAgent`` whose params are the run's (EMA) weights, and the ``Scope`` of those RL trains. For a run, the policy's
 pre- and post-processing inside the program are the bundle's ``device_io``; the environment is
 the run's evaluation task with its image size and state layout.
 """
@@ -16,6 +16,7 @@ import pathlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from embodied_jax.assets import asset_files
 from embodied_jax.bundle import PolicyBundle
@@ -26,6 +27,7 @@ from embodied_jax.nn import flow
 from embodied_jax.rl import toy
 from embodied_jax.rl.agent import FlowAgent
 from embodied_jax.rl.config import RLExperimentConfig
+from embodied_jax.rl.scope import Scope
 from embodied_jax.train.config import ExperimentConfig
 from embodied_jax.train.runtime import Runtime, build, initial_state
 from embodied_jax.train.state import TrainState
@@ -45,11 +47,13 @@ class Start:
     norm_stats: dict
     env: Any
     agent: FlowAgent
-    params: Any  # the trainable weights RL starts from
+    params: Any  # the policy's weights RL starts from (``scope`` picks those it trains)
     assets: dict[str, pathlib.Path]
     bundle: PolicyBundle | None  # None for the toy policy
     execute_steps: int
+    scope: Scope  # the weights RL trains
     host_callback: bool = False  # π0.5's prompt tokens come from the host (bundle/device_io.py)
+    host_stepped: bool = False  # env is a batch stepped on the host (rl/host_rollout.py), not a JAX env
 
     def train_state(self, params: Any) -> TrainState:
         """The starting train state with ``params`` as its weights (and its EMA, if it keeps one)."""
@@ -83,6 +87,14 @@ def start(config: RLExperimentConfig, devices: list | None = None) -> Start:
         raise RLStartError(f"--init-from {config.init_from}: {e}") from e
     evaluation = base.evaluation
     task = config.rl.task
+    params = state.ema if state.ema is not None else state.params
+    with rt.context():
+        model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
+    bundle = PolicyBundle(base, model, norm_stats, step=step)
+    from embodied_jax.sim.metaworld.suite import is_metaworld
+
+    if is_metaworld(task):
+        return _metaworld_start(config, base, rt, state, norm_stats, bundle, params)
     if evaluation is None or not hasattr(evaluation, "task"):
         raise RLStartError(f"--init-from {config.init_from}: the run has no simulated evaluation task to learn in")
     if task != evaluation.task:
@@ -90,16 +102,54 @@ def start(config: RLExperimentConfig, devices: list | None = None) -> Start:
     from embodied_jax.sim import Env, EnvConfig  # MJX: imported when first used
 
     env = Env(task, EnvConfig(image_size=tuple(evaluation.image_size), phase_in_state=evaluation.phase_in_state))
-    params = state.ema if state.ema is not None else state.params
-    with rt.context():
-        model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
-    bundle = PolicyBundle(base, model, norm_stats, step=step)
     io = device_io(bundle, env.instruction)
     agent = FlowAgent(_merge(rt, state), io.observe, io.act, _sde(config), config.rl.num_inference_steps)
     k = config.rl.execute_steps or evaluation.execute_steps
     if io.host_tokens:
         log.warning("the prompt's tokens come from a host callback in every rollout step (bundle/device_io.py)")
-    return Start(base, rt, state, norm_stats, env, agent, params, asset_files(base.model), bundle, k, io.host_tokens)
+    scope = Scope.of(base.model, config.rl.train)
+    return Start(
+        base, rt, state, norm_stats, env, agent, params, asset_files(base.model), bundle, k, scope, io.host_tokens
+    )
+
+
+def _metaworld_start(config, base, rt, state, norm_stats, bundle, params) -> Start:
+    """Meta-World's own environments, stepped on the host (``sim.metaworld.MetaWorldBatch``), for a
+    run trained on Meta-World (its evaluation's image size, prompts and crop); ``rl.num_envs`` split
+    evenly over the tasks, each row's prompt its task's."""
+    from embodied_jax.sim.metaworld import IMAGE_KEY, MetaWorldBatch, parse_tasks
+
+    evaluation = base.evaluation
+    if evaluation is None or not hasattr(evaluation, "tasks"):
+        raise RLStartError(
+            f"rl.task={config.rl.task!r}, but the run at {config.init_from} was not trained on Meta-World"
+        )
+    tasks, trained = parse_tasks(config.rl.task), set(parse_tasks(evaluation.tasks))
+    unknown = [t for t in tasks if t not in trained]
+    if unknown:
+        raise RLStartError(f"rl.task: the run at {config.init_from} was not trained on {unknown} ({evaluation.tasks})")
+    if config.rl.num_envs % len(tasks):
+        raise RLStartError(f"rl.num_envs={config.rl.num_envs} must split evenly over the {len(tasks)} tasks")
+    envs = MetaWorldBatch(
+        tasks,
+        config.rl.num_envs // len(tasks),
+        tuple(evaluation.image_size),
+        prompts=evaluation.prompts,
+        crop=evaluation.crop,
+        limit=evaluation.limit,
+    )
+    ios = [device_io(bundle, instruction, {envs.camera: IMAGE_KEY}) for instruction in envs.instructions]
+
+    def observe(observation):
+        per_task = [io.observe(observation) for io in ios]
+        rows = jnp.arange(observation["state"].shape[0])
+        return jax.tree.map(lambda *xs: jnp.stack(xs)[observation["task_index"], rows], *per_task)
+
+    agent = FlowAgent(_merge(rt, state), observe, ios[0].act, _sde(config), config.rl.num_inference_steps)
+    k = config.rl.execute_steps or evaluation.execute_steps
+    scope = Scope.of(base.model, config.rl.train)
+    assets = asset_files(base.model)
+    return Start(base, rt, state, norm_stats, envs, agent, params, assets, bundle, k, scope, host_stepped=True)
 
 
 def _toy_start(config: RLExperimentConfig, devices: list) -> Start:
@@ -118,4 +168,5 @@ def _toy_start(config: RLExperimentConfig, devices: list) -> Start:
         sde=_sde(config),
         num_steps=config.rl.num_inference_steps,
     )
-    return Start(config, rt, state, {}, env, agent, state.params, {}, None, config.rl.execute_steps or 4)
+    scope = Scope.of(config.model, config.rl.train)
+    return Start(config, rt, state, {}, env, agent, state.params, {}, None, config.rl.execute_steps or 4, scope)

@@ -60,6 +60,11 @@ class ToyReach:
         pad = jnp.zeros((b, self.state_dim - 4), jnp.float32)
         return jnp.concatenate([states.position, states.goal, pad], axis=-1)
 
+    def privileged_state(self, states: ToyState) -> jax.Array:
+        """[B, 5]: position, goal and phase (the critic's input; the toy's state already shows the goal)."""
+        phase = states.step.astype(jnp.float32) / self.episode_limit
+        return jnp.concatenate([states.position, states.goal, phase[:, None]], axis=-1)
+
     def render(self, states: ToyState) -> dict[str, jax.Array]:
         return {}
 

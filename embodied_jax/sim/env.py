@@ -223,6 +223,14 @@ class Env(Cameras):
         phase = jnp.minimum(states.step, self.episode_limit).astype(jnp.float32) / self.episode_limit
         return jnp.concatenate([robot, phase[:, None]], axis=-1)
 
+    def privileged_state(self, states: EnvState) -> jax.Array:
+        """float32 [B, P]: what the simulator knows and the policy never sees (an RL critic's input):
+        every joint's position and velocity (the objects' poses among them), the task's poses and
+        latched facts (``info``), and the episode's phase."""
+        info = [jnp.asarray(v, jnp.float32).reshape(v.shape[0], -1) for _, v in sorted(states.info.items())]
+        phase = jnp.minimum(states.step, self.episode_limit).astype(jnp.float32) / self.episode_limit
+        return jnp.concatenate([states.data.qpos, states.data.qvel, *info, phase[:, None]], axis=-1).astype(jnp.float32)
+
     def random_actions(self, rng: jax.Array, batch: int) -> jax.Array:
         """Uniform random joint targets within the action bounds, [batch, action_dim]."""
         low, high = self.action_bounds()

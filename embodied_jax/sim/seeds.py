@@ -12,10 +12,12 @@ COLLECTION_SEED = 0  # scripted demonstrations (sim.collect, the experiments' da
 TEST_SEED = 1  # reported figures: ``evaluate``'s default and the experiments' final evaluations
 VALIDATION_SEED = 2  # in-training evaluations, ablations, anything that chooses a setting
 CALIBRATION_SEED = 1000  # DART noise calibration of the scripted experts
+RL_SEED = 3  # Meta-World's reinforcement-learning rollouts (sim.metaworld.MetaWorldBatch)
 
 PURPOSES = {
     "collection": COLLECTION_SEED,
     "test": TEST_SEED,
     "validation": VALIDATION_SEED,
     "calibration": CALIBRATION_SEED,
+    "reinforcement learning": RL_SEED,
 }

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     st = start(config, jax.local_devices()[:1])
     k = st.execute_steps
     spec = rollout_lib.RolloutSpec(args.num_envs, k, rollout_lib.decisions_per_episode(st.env.episode_limit, k))
-    critic, critic_params = critic_functions(rollout_lib.state_width(st.env), 128, 0)
+    critic, critic_params = critic_functions(rollout_lib.critic_width(st.env), 128, 0)
     horizon = st.base.model.action_horizon
     with st.rt.context():
         programs = {

@@ -168,6 +168,11 @@ class Gr00tConfig(PolicyConfig):
     def freeze_regexes(self) -> tuple[str, ...]:
         return freeze_regexes(self)
 
+    def action_expert_regexes(self) -> tuple[str, ...]:
+        """The action head (DiT, state/action encoders and decoder, the VL self-attention and norm);
+        the Eagle backbone (vision and language model) is not."""
+        return (r"^action_head/",)
+
     def fit_to_dataset(self, features: DatasetFeatures) -> Gr00tConfig:
         """The image slots are the dataset's cameras under their modality.json video names (as
         upstream GR00T reads them), the prompt keeping its text room; state and actions must fit

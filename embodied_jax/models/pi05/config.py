@@ -102,6 +102,11 @@ class Pi05Config(PolicyConfig):
         """Trainer freeze regexes: with LoRA (``lora_rank`` > 0) only ``lora_a``/``lora_b`` train."""
         return (LORA_FREEZE_REGEX,) if self.lora_rank else ()
 
+    def action_expert_regexes(self) -> tuple[str, ...]:
+        """The action expert: its Gemma stream (expert 1 of the joint layers, its final norm), the
+        action and time projections; the vision tower, the projector and the VLM's stream are not."""
+        return (r"^llm/(layers/experts|final_norms)/1/", r"^(action_in_proj|action_out_proj|time_mlp_in|time_mlp_out)/")
+
     @property
     def image_token_id(self) -> int:
         """Image-token id in packed token streams: PaliGemma's ``<image>``, just past the vocabulary."""

@@ -31,6 +31,7 @@ reflections and skybox off by default (``render_style="fast"``: about 20-25 ms a
 CPU at any size up to 480 px, against 80-130 ms with Meta-World's own settings, ``"lerobot"``).
 """
 
+from embodied_jax.sim.metaworld.batch import MetaWorldBatch
 from embodied_jax.sim.metaworld.closed_loop import BatchPolicy, EvalSettings, evaluate
 from embodied_jax.sim.metaworld.collect import (
     CALIBRATION_EPISODES,
@@ -111,6 +112,7 @@ __all__ = [
     "LEROBOT_IMAGE_SIZE",
     "LEROBOT_TASK_ORDER",
     "MT10",
+    "MetaWorldBatch",
     "MT1_SEED",
     "MT50",
     "NOISE_LEVELS",

@@ -1,0 +1,85 @@
+"""``python -m experiments.benchmarks.rl_sampler RUN --task T``: the RL sampler's executed actions
+against the deployed sampler's, on the run's policy and the same observations, for several
+Flow-SDE settings in one run.
+
+``--observations`` start states of the task (the RL rollouts' own stream: built-in tasks from
+``jax.random.key(seed)``, Meta-World from ``MetaWorldBatch``); for each, ``--draws`` chunks from
+the deployed sampler (the model's Euler steps from fresh noise) and from each setting's
+Flow-SDE sampler (``rl.diagnostics.compare_samplers``). Printed per setting: ``spread_ratio``
+(the executed actions' std over draws, RL / deployed; 1 is the deployed policy's spread) and
+``mean_gap`` (|RL mean - deployed mean| in units of the deployed std). A setting is
+``noise_level@steps`` with steps ``all`` or comma-separated step indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Annotated
+
+import tyro
+
+from embodied_jax.cli import parse_flags
+from experiments.benchmarks import harness
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """rl_sampler's command line."""
+
+    run: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]]
+    """a behaviour-cloned run directory"""
+    task: str = "pick_place"
+    observations: int = 8
+    draws: int = 64
+    settings: tuple[str, ...] = ("0.5@all", "1.0@0", "0.3@all", "1.0@all")
+    seed: int = 0
+
+
+def parse_setting(text: str):
+    from embodied_jax.nn.flow import FlowSDE
+
+    noise, _, steps = text.partition("@")
+    if not steps:
+        raise ValueError(f"setting {text!r}: expected noise_level@steps (steps: all or 0,1,...)")
+    return FlowSDE(float(noise), None if steps == "all" else tuple(int(s) for s in steps.split(",")))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_flags(
+        Flags, args=argv, prog="python -m experiments.benchmarks.rl_sampler", description=__doc__.splitlines()[0]
+    )
+    import jax
+    import numpy as np
+
+    from embodied_jax.rl.config import RLConfig, RLExperimentConfig
+    from embodied_jax.rl.diagnostics import compare_samplers
+    from embodied_jax.rl.start import start
+
+    sdes = {text: parse_setting(text) for text in args.settings}
+    config = RLExperimentConfig(init_from=args.run, rl=RLConfig(task=args.task, num_envs=args.observations))
+    st = start(config, jax.local_devices()[:1])
+    key = jax.random.key(args.seed)
+    if st.host_stepped:
+        st.env.reset(key, np.arange(args.observations))
+        observation = st.env.observe()
+        st.env.close()
+    else:
+        states = jax.jit(jax.vmap(st.env.reset))(jax.random.split(key, args.observations))
+        observation = jax.device_get(st.env.observe(states))
+    observation["time_step"] = np.zeros((args.observations,), np.int32)
+    result = {"task": args.task, "observations": args.observations, "draws": args.draws, "settings": {}}
+    for text, sde in sdes.items():
+        agent = dataclasses.replace(st.agent, sde=sde)
+        out = compare_samplers(agent, st.params, observation, args.draws, jax.random.fold_in(key, 1))
+        result["settings"][text] = {"spread_ratio": out["spread_ratio"], "mean_gap": out["mean_gap"]}
+        result["deployed_std"] = float(out["deployed"]["std"].mean())
+        print(f"{text:>10}: spread ratio {out['spread_ratio']:.3f}, mean gap {out['mean_gap']:.3f} deployed std")
+    print(f"deployed sampler's mean std over draws: {result['deployed_std']:.4f}")
+    print(json.dumps({"rl_sampler": result}))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(harness.run(main, "rl_sampler"))

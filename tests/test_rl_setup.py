@@ -1,0 +1,103 @@
+"""What an RL update may touch and what its critic may see: only the action expert trains by
+default (the rest bit-identical after an update), and the critic's privileged state reaches no
+input of the policy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from embodied_jax.rl import advantages, ppo
+from embodied_jax.rl import rollout as rollout_lib
+from embodied_jax.rl.loop import critic_functions
+from embodied_jax.rl.scope import Scope
+from embodied_jax.rl.start import start
+from embodied_jax.train.optimizer import path_str
+from embodied_jax.train.state import model_parts
+from experiments.demo import demo_config
+from experiments.rl import rl_toy_reach
+
+
+def _paths(tree: dict) -> set[str]:
+    return {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("arch", ["pi05", "gr00t"])
+def test_the_action_expert_scope_keeps_vision_and_language_model_fixed(arch):
+    config = demo_config(arch=arch).model
+    parts = model_parts(config)
+    params = jax.tree.map(lambda x: np.zeros((), np.float32), parts.templates[0].to_pure_dict())
+    trainable, fixed = Scope.of(config, "action_expert").partition(params)
+    train_paths, fixed_paths = _paths(trainable), _paths(fixed)
+    assert train_paths.isdisjoint(fixed_paths) and train_paths | fixed_paths == _paths(params)
+    vision = ("vision_tower/", "llm/layers/experts/0/", "multi_modal_projector/")
+    if arch == "gr00t":
+        vision = ("backbone/eagle_model/vision_model/", "backbone/eagle_model/language_model/")
+    expert = ("action_out_proj/", "llm/layers/experts/1/") if arch == "pi05" else ("action_head/model/",)
+    for prefix in vision:
+        assert any(p.startswith(prefix) for p in fixed_paths) and not any(p.startswith(prefix) for p in train_paths)
+    for prefix in expert:
+        assert any(p.startswith(prefix) for p in train_paths)
+    assert Scope.combine(trainable, fixed).keys() == params.keys()
+    everything, nothing = Scope.of(config, "all").partition(params)
+    assert _paths(everything) == _paths(params) and not nothing
+    with pytest.raises(ValueError, match="RLConfig.train"):
+        Scope.of(config, "vision")
+
+
+def test_an_update_moves_the_trainable_weights_and_leaves_the_fixed_ones_bit_identical():
+    config = rl_toy_reach()
+    config = dataclasses.replace(config, rl=dataclasses.replace(config.rl, num_envs=32))
+    st = start(config, jax.devices()[:1])
+    scope = Scope((r"^out/",))  # the toy's output layer trains, the rest is fixed
+    trainable, fixed = scope.partition(st.params)
+    assert _paths(trainable) == {"out/kernel", "out/bias"}
+    critic, critic_params = critic_functions(rollout_lib.critic_width(st.env), 32, 0)
+    spec = rollout_lib.RolloutSpec(32, 4, rollout_lib.decisions_per_episode(st.env.episode_limit, 4), shaping=0.2)
+    with st.rt.context():
+        rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec)(st.params, critic_params, jax.random.key(1))
+    adv, returns = advantages.gae(
+        rollout.reward,
+        rollout.value,
+        rollout.terminal,
+        rollout.active,
+        jnp.zeros_like(rollout.success, jnp.float32),
+        gamma=0.99,
+        lam=0.95,
+    )
+    batch = ppo.flat_decisions(rollout, adv, returns, rollout.log_prob)
+    policy_opt, critic_opt = optax.adam(1e-3), optax.adam(1e-3)
+    update = ppo.make_update(st.agent, critic, config.rl.ppo, policy_opt, critic_opt)
+    opt_states = (policy_opt.init(trainable), critic_opt.init(critic_params))
+    new, _, _, metrics = update(trainable, fixed, critic_params, opt_states, batch, jax.random.key(2))
+    assert abs(float(metrics["first_ratio"]) - 1.0) < 1e-4
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trainable), jax.tree.leaves(new), strict=True))
+    # the weights the loop goes on with are the originals, bit for bit, outside the trainable part
+    combined = Scope.combine(new, fixed)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(st.params):
+        if not path_str(path).startswith("out/"):
+            got = combined
+            for key in path:
+                got = got[key.key]
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(leaf))
+
+
+def test_the_critic_sees_the_objects_pose_and_the_policys_inputs_do_not():
+    from embodied_jax.sim import Env, EnvConfig
+
+    env = Env("pick_place", EnvConfig(image_size=(16, 16)))
+    states = jax.jit(jax.vmap(env.reset))(jax.random.split(jax.random.key(0), 2))
+    moved = dataclasses.replace(states, data=states.data.replace(qpos=states.data.qpos.at[:, -7].add(0.05)))
+    observe = jax.jit(env.robot_state)
+    features = jax.jit(lambda s: rollout_lib.critic_input(env, s, env.robot_state(s), True))
+    np.testing.assert_array_equal(observe(states), observe(moved))  # the policy's state: the robot only
+    before, after = np.asarray(features(states)), np.asarray(features(moved))
+    width = observe(states).shape[-1]
+    np.testing.assert_array_equal(before[:, :width], after[:, :width])
+    assert np.abs(before[:, width:] - after[:, width:]).max() == pytest.approx(0.05, abs=1e-6)
+    assert rollout_lib.critic_width(env, True) == before.shape[-1] > rollout_lib.critic_width(env, False) == width
