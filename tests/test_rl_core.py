@@ -228,3 +228,25 @@ def test_host_stepped_rollouts_equal_in_program_ones(toy_start):
     np.testing.assert_allclose(host.log_prob, in_program.log_prob, rtol=1e-4, atol=1e-3)
     np.testing.assert_array_equal(host.active, in_program.active)
     np.testing.assert_allclose(host.critic_input, in_program.critic_input, rtol=1e-6, atol=1e-6)
+
+
+def test_a_run_that_falls_below_its_start_three_evaluations_in_a_row_stops_and_says_so(tmp_path, monkeypatch):
+    from embodied_jax.rl import loop
+    from embodied_jax.train.config import MetricsConfig
+
+    figures = iter([0.5, 0.4, 0.6, 0.3, 0.45, 0.2])  # the start, then one evaluation per iteration
+    monkeypatch.setattr(
+        loop, "held_out_evaluation", lambda st, config, k: lambda params, out_dir=None: {"success_rate": next(figures)}
+    )
+    config = rl_toy_reach()
+    config = dataclasses.replace(
+        config,
+        workdir=str(tmp_path / "rl"),
+        metrics=MetricsConfig(progress_bar=False, tensorboard=False),
+        rl=dataclasses.replace(config.rl, num_envs=32, iterations=10, eval_every=1, checkpoint_every=100),
+    )
+    result = loop.train(config, jax.devices()[:1])
+    assert result.iterations == 5  # below 0.5 at 1; 0.6 at 2 resets the count; below at 3, 4 and 5
+    assert "fell below the start's 50.0% in 3 evaluations in a row" in result.stopped
+    assert result.evaluation["success_rate"] == 0.2
+    assert (tmp_path / "rl" / "checkpoints" / "5").is_dir()

@@ -132,6 +132,14 @@ class MetaWorldHeldOut:
         return self.evaluate(policy, self.tasks, self.settings, image_size=self.image_size)
 
 
+def held_out_evaluation(st: Start, config: RLExperimentConfig, execute_steps: int):
+    """``evaluate(params, out_dir=None) -> {"success_rate", ...}`` of the policy as deployed on the
+    held-out seed, or None (the toy policy, or ``rl.eval_envs`` 0)."""
+    if st.bundle is None or not config.rl.eval_envs:
+        return None
+    return (MetaWorldHeldOut if st.host_stepped else HeldOutEvaluation)(st, config, execute_steps)
+
+
 def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
     rl = config.rl
     workdir = pathlib.Path(config.workdir)
@@ -210,9 +218,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             resumed_from=latest,
         )
         cleanup.callback(metrics.close)
-        held_out = None
-        if st.bundle is not None and rl.eval_envs:
-            held_out = (MetaWorldHeldOut if st.host_stepped else HeldOutEvaluation)(st, config, k)
+        held_out = held_out_evaluation(st, config, k)
         watch = held_out is not None and rl.eval_every > 0 and rl.stop_below_start > 0
         if watch and counters["start_success"] < 0:
             counters["start_success"] = held_out(st.params)["success_rate"]
