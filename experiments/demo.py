@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import pathlib
 import time
@@ -96,31 +95,14 @@ def build_tokenizer(path: pathlib.Path, vocab_size: int, instructions: Sequence[
     token, so the whole discretised state fits in the prompt; a character-level model trained
     on so small a corpus would spell numbers digit by digit and overflow ``max_token_len``.
     """
-    import sentencepiece as spm
-
+    from embodied_jax.models.tokenizer import train_sentencepiece
     from embodied_jax.sim.tasks import TASKS
 
     if instructions is None:
         instructions = [cls.instruction for cls in TASKS.values()]
     # Each bin as a plain word and as the last (";"-terminated) word of the state.
     corpus = [f"Task: {text}, State: {' '.join([str(b)] * 8)};\nAction: " for text in instructions for b in range(256)]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type="word",
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        character_coverage=1.0,
-        minloglevel=2,
-        hard_vocab_limit=False,
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(model.getvalue())
-    return path
+    return train_sentencepiece(corpus, path, vocab_size=vocab_size, model_type="word")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,6 @@ dataset (NumPy statistics) and the converted weights, not against the code under
 from __future__ import annotations
 
 import dataclasses
-import io
 
 import jax
 import numpy as np
@@ -108,9 +107,8 @@ def _finetune(base, model, dataset, workdir, init_from):
 
 @pytest.fixture(scope="module")
 def pi05_run(tmp_path_factory):
-    import sentencepiece as spm
-
     from embodied_jax.models.pi05.weights import PI05_LAYOUT
+    from embodied_jax.models.tokenizer import train_sentencepiece
     from experiments.pi05 import pi05_finetune, tiny_model
 
     tmp = tmp_path_factory.mktemp("pi05_finetune")
@@ -118,21 +116,7 @@ def pi05_run(tmp_path_factory):
     episodes = _episodes(cams, seed=0)
     write_lerobot_dataset(tmp / "dataset", episodes, fps=10, image_storage="png")
     corpus = [f"Task: {t}, State: {' '.join(str(i) for i in range(256))};\nAction: " for t in TASKS] * 8
-    sp = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus),
-        model_writer=sp,
-        vocab_size=300,
-        model_type="unigram",
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        character_coverage=1.0,
-        minloglevel=2,
-        hard_vocab_limit=False,
-    )
-    (tmp / "tokenizer.model").write_bytes(sp.getvalue())
+    train_sentencepiece(corpus, tmp / "tokenizer.model", vocab_size=300, model_type="unigram")
 
     tiny = tiny_model()
     base_model = dataclasses.replace(

@@ -3,14 +3,12 @@
 The SentencePiece model is trained on the fly (PaliGemma's special ids: pad 0, eos 1, bos 2).
 """
 
-import io
-
 import numpy as np
 import pytest
 import sentencepiece as spm
 
 from embodied_jax.models.pi05.inputs import Pi05InputBuilder, build_prompt, discretize_state
-from embodied_jax.models.tokenizer import JsonTokenizer, SentencePieceTokenizer, load_tokenizer
+from embodied_jax.models.tokenizer import JsonTokenizer, SentencePieceTokenizer, load_tokenizer, train_sentencepiece
 from embodied_jax.nn.image import resize_with_pad
 
 CORPUS = [
@@ -22,22 +20,9 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS),
-        model_writer=model,
-        vocab_size=48,
-        model_type="unigram",
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        character_coverage=1.0,
-        minloglevel=2,
+    return train_sentencepiece(
+        CORPUS, tmp_path_factory.mktemp("sp") / "tokenizer.model", vocab_size=48, model_type="unigram"
     )
-    path = tmp_path_factory.mktemp("sp") / "tokenizer.model"
-    path.write_bytes(model.getvalue())
-    return path
 
 
 def test_state_bins_follow_upstream():

@@ -151,6 +151,16 @@ def test_dart_calibration_picks_the_largest_noise_the_expert_survives():
         assert env_lib.Env(name).task.dart_noise > 0  # every built-in task collects with recoveries
 
 
+def test_one_dart_rule_for_every_simulator_stops_at_the_first_miss():
+    from embodied_jax.sim import dart
+
+    rates = {0.1: 1.0, 0.2: 0.95, 0.3: 0.5, 0.4: 0.99}  # 0.4 is never tried: 0.3 missed first
+    tried = []
+    chosen, measured = dart.calibrate(lambda level: tried.append(level) or rates[level], (0.4, 0.2, 0.1, 0.3))
+    assert chosen == 0.2 and tried == [0.1, 0.2, 0.3] and measured == {0.1: 1.0, 0.2: 0.95, 0.3: 0.5}
+    assert dart.calibrate(lambda level: 0.0, (0.1,)) == (0.0, {0.1: 0.0})
+
+
 def test_cli_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
         collect.main(["reach", "--episodes", "2", "--out", str(tmp_path), "--image-size", "1", "2", "3"])

@@ -3,6 +3,8 @@
 π0.5 uses PaliGemma's SentencePiece model (``tokenizer.model``); GR00T's Eagle/Qwen3 uses a
 ``tokenizers`` JSON file. Both are wrapped behind one small interface (``encode`` with explicit
 BOS/EOS control, ``decode``, special ids). Nothing is downloaded: a path must be given.
+``train_sentencepiece`` makes a small SentencePiece model of one's own prompts (the demo's
+tokenizer, the tests'), with PaliGemma's special ids.
 """
 
 from __future__ import annotations
@@ -21,6 +23,33 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
 
     def decode(self, ids) -> str: ...
+
+
+def train_sentencepiece(sentences, path: str | os.PathLike, *, vocab_size: int, model_type: str = "word") -> Path:
+    """A SentencePiece model of ``sentences`` written to ``path``: pad 0, eos 1, bos 2, unk 3 (PaliGemma's
+    ids), every character covered, ``vocab_size`` a ceiling (a small corpus may give fewer pieces)."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        character_coverage=1.0,
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(model.getvalue())
+    return path
 
 
 class SentencePieceTokenizer:

@@ -43,9 +43,11 @@ import numpy as np
 
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.data.modality import Modality
+from embodied_jax.sim import dart
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import rollout as rollout_lib
 from embodied_jax.sim import tasks as tasks_lib
+from embodied_jax.sim.dart import DART_TARGET
 from embodied_jax.sim.seeds import CALIBRATION_SEED, COLLECTION_SEED
 
 ROBOT_TYPE = "embodied_jax_gantry"
@@ -99,7 +101,6 @@ def _expert_rollout(env: env_lib.Env, batch: int, steps: int, noise: float):
 
 
 NOISE_LEVELS = (0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02)  # metres: the candidates of calibrate_noise
-DART_TARGET = 0.9  # the noisy expert's least success rate at the calibrated noise
 CALIBRATION_EPISODES = 128
 
 
@@ -123,14 +124,8 @@ def calibrate_noise(
 ) -> tuple[float, dict[float, float]]:
     """The largest of ``levels`` (ascending; stops at the first miss) at which the noisy expert
     succeeds in at least ``target`` of ``episodes``, 0.0 if none; and the success rate measured
-    at each level tried."""
-    chosen, measured = 0.0, {}
-    for level in sorted(levels):
-        measured[level] = expert_success_rate(env, level, episodes=episodes, seed=seed)
-        if measured[level] < target:
-            break
-        chosen = level
-    return chosen, measured
+    at each level tried (``sim/dart.py``)."""
+    return dart.calibrate(lambda level: expert_success_rate(env, level, episodes=episodes, seed=seed), levels, target)
 
 
 def resolve_noise(env: env_lib.Env, noise: float | str | None, *, seed: int = CALIBRATION_SEED) -> float:

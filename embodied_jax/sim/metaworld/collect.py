@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from embodied_jax.sim import dart
+from embodied_jax.sim.dart import DART_TARGET
 from embodied_jax.sim.metaworld.env import MetaWorldEnv, check_gl
 from embodied_jax.sim.metaworld.suite import (
     ACTION_KEY,
@@ -37,7 +39,6 @@ from embodied_jax.sim.metaworld.suite import (
 )
 
 NOISE_LEVELS = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
-DART_TARGET = 0.9
 CALIBRATION_EPISODES = 50
 
 
@@ -101,20 +102,15 @@ def calibrate_noise(
     policy succeeds in at least ``target`` of ``episodes`` (no rendering), 0.0 if none; and the
     success rate measured at each level tried (on the calibration seed, apart from every other)."""
     env = MetaWorldEnv(task)
-    chosen, measured = 0.0, {}
+
+    def success_rate(level: float) -> float:
+        seeds = [episode_seed(seed, task, i) for i in range(episodes)]
+        return sum(expert_episode(env, s, noise=level, record=False).success for s in seeds) / episodes
+
     try:
-        for level in sorted(levels):
-            wins = sum(
-                expert_episode(env, episode_seed(seed, task, i), noise=level, record=False).success
-                for i in range(episodes)
-            )
-            measured[level] = wins / episodes
-            if measured[level] < target:
-                break
-            chosen = level
+        return dart.calibrate(success_rate, levels, target)
     finally:
         env.close()
-    return chosen, measured
 
 
 HUB_FRAMES_PER_EPISODE = 82  # lerobot/metaworld_mt50: 204,806 frames in 2500 episodes
