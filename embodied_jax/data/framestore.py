@@ -33,6 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from embodied_jax.data import lerobot_format as fmt
+from embodied_jax.data.episode_table import EpisodeTable
 from embodied_jax.data.modality import Modality
 from embodied_jax.errors import InputError
 from embodied_jax.paths import resolve_inside
@@ -126,7 +127,7 @@ def atomic_write_json(path: pathlib.Path, payload: Any) -> None:
     os.replace(tmp, path)
 
 
-class FrameStore:
+class FrameStore(EpisodeTable):
     """Reads a converted store with the frame-source interface of `LeRobotDataset`.
 
     Args:
@@ -162,9 +163,10 @@ class FrameStore:
             where = f"{summary_path}: episodes"
             return fmt.bounded_int(episode.get(name), where, name, high=high, error=FrameStoreError)
 
-        self.episode_indices = np.array([number(e, "episode_index", fmt.MAX_EPISODE_INDEX) for e in episodes], np.int64)
-        self.episode_lengths = np.array([number(e, "length", fmt.MAX_FRAMES) for e in episodes], np.int64)
-        self.episode_starts = np.concatenate([[0], np.cumsum(self.episode_lengths)]).astype(np.int64)
+        self.index_episodes(
+            [number(e, "episode_index", fmt.MAX_EPISODE_INDEX) for e in episodes],
+            [number(e, "length", fmt.MAX_FRAMES) for e in episodes],
+        )
         try:
             self.modality = Modality.from_json(self.summary["modality"]) if self.summary.get("modality") else None
         except ValueError as exc:
@@ -186,7 +188,6 @@ class FrameStore:
                 f"{self.root / 'arrays' / fmt.TASK_INDEX}: task_index {int(tasks.max())} has no entry in "
                 f"{SUMMARY}'s {len(self.tasks)} tasks"
             )
-        self._position = {int(e): i for i, e in enumerate(self.episode_indices)}
         self._stores: dict[tuple[str, int], Any] = {}
 
     def _inside(self, *parts: object, field: str | None = None) -> pathlib.Path:
@@ -248,23 +249,6 @@ class FrameStore:
                 f"but {SUMMARY} gives uint8 {list(expected)}"
             )
         return store
-
-    @property
-    def num_episodes(self) -> int:
-        return len(self.episode_indices)
-
-    @property
-    def num_frames(self) -> int:
-        return int(self.episode_starts[-1])
-
-    def position_of(self, episode_index: int) -> int:
-        return self._position[int(episode_index)]
-
-    def episode_array(self, position: int, key: str) -> np.ndarray:
-        return self.arrays[key][self.episode_starts[position] : self.episode_starts[position + 1]]
-
-    def task(self, position: int, frame_index: int) -> str:
-        return self.tasks[int(self.arrays[fmt.TASK_INDEX][self.episode_starts[position] + frame_index])]
 
     def frame_path(self, key: str, episode_index: int) -> pathlib.Path:
         return self._inside("frames", key, episode_name(episode_index), field="cameras")

@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from embodied_jax.data import lerobot_format as fmt
 from embodied_jax.data import video
+from embodied_jax.data.episode_table import EpisodeTable
 from embodied_jax.data.lerobot_episodes import EpisodeRecord, read_tasks_and_episodes
 from embodied_jax.data.lerobot_meta import DatasetError, DatasetMeta, read_parquet
 from embodied_jax.data.modality import Modality
@@ -50,7 +51,7 @@ def column_to_numpy(column: pa.ChunkedArray | pa.Array, shape: Sequence[int], *,
     return values.reshape((rows,) + shape)
 
 
-class LeRobotDataset:
+class LeRobotDataset(EpisodeTable):
     """A LeRobot dataset on local disk (v2.0, v2.1 or v3.0).
 
     Args:
@@ -142,12 +143,9 @@ class LeRobotDataset:
                 f"{self.root}: no usable episodes" + (f" ({len(self.skipped)} skipped)" if self.skipped else "")
             )
         self.episodes = [record for record, _, _ in kept]
-        self.episode_indices = np.array([r.episode_index for r in self.episodes], np.int64)
-        self.episode_lengths = np.array([r.length for r in self.episodes], np.int64)
-        self.episode_starts = np.concatenate([[0], np.cumsum(self.episode_lengths)]).astype(np.int64)
+        self.index_episodes([r.episode_index for r in self.episodes], [r.length for r in self.episodes])
         self._row_starts = [start for _, start, _ in kept]
         self.arrays = {key: np.concatenate([arrays[key] for _, _, arrays in kept]) for key in numeric}
-        self._position = {int(e): i for i, e in enumerate(self.episode_indices)}
 
     def _episode_rows(self, record: EpisodeRecord, table: pa.Table, index_column: np.ndarray) -> range:
         if record.dataset_from_index is None:  # v2.x: the file holds exactly this episode
@@ -217,33 +215,9 @@ class LeRobotDataset:
             self.arrays = {k: v[rows] for k, v in self.arrays.items()}
             self.episodes = [self.episodes[p] for p in keep]
             self._row_starts = [self._row_starts[p] for p in keep]
-            self.episode_indices = self.episode_indices[keep]
-            self.episode_lengths = self.episode_lengths[keep]
-            self.episode_starts = np.concatenate([[0], np.cumsum(self.episode_lengths)]).astype(np.int64)
-            self._position = {int(e): i for i, e in enumerate(self.episode_indices)}
+            self.index_episodes(self.episode_indices[keep], self.episode_lengths[keep])
 
     # ----- access ---------------------------------------------------------------------------------------------
-    @property
-    def num_episodes(self) -> int:
-        return len(self.episodes)
-
-    @property
-    def num_frames(self) -> int:
-        return int(self.episode_starts[-1])
-
-    def position_of(self, episode_index: int) -> int:
-        """Position (0..num_episodes-1) of a dataset episode index."""
-        if int(episode_index) not in self._position:
-            raise KeyError(f"{self.root}: episode {episode_index} is not loaded")
-        return self._position[int(episode_index)]
-
-    def episode_array(self, position: int, key: str) -> np.ndarray:
-        """All frames of one per-frame feature of an episode, [T, ...]."""
-        return self.arrays[key][self.episode_starts[position] : self.episode_starts[position + 1]]
-
-    def task(self, position: int, frame_index: int) -> str:
-        return self.tasks[int(self.arrays[fmt.TASK_INDEX][self.episode_starts[position] + frame_index])]
-
     def image_shape(self, key: str) -> tuple[int, int, int]:
         return self.meta.image_shape(key)
 
