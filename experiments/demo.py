@@ -118,10 +118,10 @@ class DemoConfig(ExperimentConfig):
     collect_noise: float | None = None
     # Hand positions as moves relative to the observed state (the task's position dims; grips
     # stay absolute): each step moves at most 3.5 cm, so normalised deltas resolve millimetres where
-    # absolute targets spread over the whole workspace (pick_place: 0% -> 53.9%, see docs/manipulation.md).
+    # absolute targets spread over the whole workspace (the measurement: docs/manipulation.md).
     delta_actions: bool = True
     # Tasks that train longer than ``train.steps`` (that factor times it): handover moves two arms
-    # and was still improving at 6000 steps (in-training 0 / 22 / 53 / 59% at steps 1500-6000).
+    # and still improves at 6000 steps (docs/manipulation.md).
     task_steps_factor: tuple[tuple[str, float], ...] = (("handover", 1.5),)
     # The demo's own word-level tokenizer, built before training: "sentencepiece" (the π0.5
     # demo; PaliGemma's format) or "qwen3_words" (the GR00T demo; a Qwen3 tokenizer.json).
@@ -369,8 +369,8 @@ def demo_config(image_size: int = IMAGE, arch: str = "pi05") -> DemoConfig:
         mesh=MeshConfig(data=-1),
         checkpoint=CheckpointConfig(save_every=1500, keep_last=2),
         metrics=MetricsConfig(progress_bar=True),
-        # Replanning after every executed action: the policy corrects its aim as the ball comes into the wrist
-        # view (pick_place: 53.9% at 1, 32.8% at 4, 1.6% at 8 actions per chunk). The state ends with the
+        # Replanning after every executed action: the policy corrects its aim as the object comes into the
+        # wrist view (the chunk-length measurement: docs/manipulation.md). The state ends with the
         # episode's phase: the scripted experts switch phases (grasp, lift, release) at fixed steps.
         evaluation=SimEvaluation(
             task="reach", num_envs=32, execute_steps=1, image_size=(image_size, image_size), phase_in_state=True

@@ -1,4 +1,4 @@
-"""Untrusted directories stay inside their root (issue #33): runs, exports, datasets, frame stores.
+"""Untrusted directories stay inside their root: runs, exports, datasets, frame stores.
 
 Each test reproduces a reported fault: a file outside the directory holds a known sentinel, and
 the directory is crafted to make the reader fetch it (an absolute path, ``..``, a link) or to
