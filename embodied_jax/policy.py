@@ -87,6 +87,33 @@ class DatasetFeatures:
     modality: bool  # the samples carry meta/modality.json's views (state.<group>, ...)
 
 
+# A family's model and FLOP count, registered beside their code (``implements``) so that its config
+# (pure data) never imports them: the config is what the model and the count read, not the reverse.
+_FAMILY_PARTS: dict[type, dict[str, Callable[..., Any]]] = {}
+PARTS = ("make", "training_flops")
+
+
+def implements(config_type: type, part: str):
+    """Register the decorated ``fn(config, ...)`` as ``part`` of ``config_type`` (and its subclasses):
+    ``"make"`` (``fn(config, rngs) -> Policy``) or ``"training_flops"`` (``fn(config, batch)``)."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+
+    def register(fn):
+        _FAMILY_PARTS.setdefault(config_type, {})[part] = fn
+        return fn
+
+    return register
+
+
+def _part(config: Any, part: str) -> Callable[..., Any] | None:
+    for cls in type(config).__mro__:
+        fn = _FAMILY_PARTS.get(cls, {}).get(part)
+        if fn is not None:
+            return fn
+    return None
+
+
 class PolicyConfig(abc.ABC):
     """Base of every model family's config (subclasses are frozen dataclasses)."""
 
@@ -97,9 +124,13 @@ class PolicyConfig(abc.ABC):
     # exported policy (``embodied_jax.assets``), so a policy loads wherever it is moved.
     asset_fields: ClassVar[tuple[str, ...]] = ()
 
-    @abc.abstractmethod
     def make(self, rngs: nnx.Rngs) -> nnx.Module:
-        """Build the model (a ``Policy``). Parameters carry logical axis names."""
+        """Build the model (a ``Policy``). Parameters carry logical axis names. Default: the builder
+        the family registered with ``implements(ConfigType, "make")``."""
+        build = _part(self, "make")
+        if build is None:
+            raise TypeError(f"{type(self).__name__} builds no model: its family registers none (policy.implements)")
+        return build(self, rngs)
 
     @abc.abstractmethod
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> Batch:
@@ -129,8 +160,9 @@ class PolicyConfig(abc.ABC):
 
     def training_flops(self, batch: Batch) -> dict[str, float] | None:
         """Analytic FLOPs of one training step on ``batch`` (NumPy), ``{"weights", "attention",
-        "unused"}``; None when the family has no count."""
-        return None
+        "unused"}``; None when the family has no count (``implements(ConfigType, "training_flops")``)."""
+        count = _part(self, "training_flops")
+        return None if count is None else count(self, batch)
 
 
 def conforms(model: Any) -> bool:

@@ -8,15 +8,12 @@ import dataclasses
 from typing import Any, ClassVar
 
 import numpy as np
-from flax import nnx
 
 from embodied_jax.assets import AssetError
 from embodied_jax.config_registry import register
 from embodied_jax.models.dit import DiTConfig, VLSelfAttentionConfig
 from embodied_jax.models.eagle import EagleConfig
 from embodied_jax.models.gr00t.action_head import ActionHeadConfig
-from embodied_jax.models.gr00t.flops import training_flops as analytic_training_flops
-from embodied_jax.models.gr00t.model import Gr00tPolicy
 from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn.block_sparse import BlockSparseTiling
@@ -162,9 +159,6 @@ class Gr00tConfig(PolicyConfig):
         """What every module computes with, from the six fields ``dtype`` .. ``remat_policy`` (``nn/compute.py``)."""
         return Compute.of(self)
 
-    def make(self, rngs: nnx.Rngs) -> Gr00tPolicy:
-        return Gr00tPolicy(self, rngs=rngs)
-
     def freeze_regexes(self) -> tuple[str, ...]:
         return freeze_regexes(self)
 
@@ -215,10 +209,6 @@ class Gr00tConfig(PolicyConfig):
                 f"action_head.max_num_embodiments={slots})"
             )
         return Gr00tInputBuilder.for_config(self, self.tokenizer_path, embodiment_id=self.embodiment_id, packed=packed)
-
-    def training_flops(self, batch) -> dict[str, float]:
-        """Analytic training FLOPs of one step on ``batch`` (``flops.py``)."""
-        return analytic_training_flops(self, batch)
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
         rng = np.random.default_rng(seed)

@@ -3,16 +3,14 @@ step is measured against (``nn/flops.py`` counts the layers)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from embodied_jax.models.gr00t.config import Gr00tConfig
 from embodied_jax.nn import flops
-
-if TYPE_CHECKING:
-    from embodied_jax.models.gr00t.config import Gr00tConfig
+from embodied_jax.policy import implements
 
 
+@implements(Gr00tConfig, "training_flops")
 def training_flops(config: Gr00tConfig, batch) -> dict[str, float]:
     """Analytic training FLOPs of one step on ``batch`` (NumPy; unpacked or packed rows):
     ``weights`` (weight matmuls of every token the batch carries, padding included) and

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +11,11 @@ from flax import nnx
 
 from embodied_jax.models.eagle import EagleBackbone
 from embodied_jax.models.gr00t.action_head import Gr00tActionHead
+from embodied_jax.models.gr00t.config import Gr00tConfig
 from embodied_jax.models.gr00t.layout import vl_layout
 from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.lora import LoRAConfig
-
-if TYPE_CHECKING:  # the config imports this module (its make() builds the policy)
-    from embodied_jax.models.gr00t.config import Gr00tConfig
-
+from embodied_jax.policy import implements
 
 PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
 
@@ -220,3 +217,8 @@ def _dit_velocity(head, state_features, x, buckets, slots, vl, layout, key=None)
         context_gather=layout["context_gather"],
         key=key,
     )
+
+
+@implements(Gr00tConfig, "make")
+def build(config: Gr00tConfig, rngs: nnx.Rngs) -> Gr00tPolicy:
+    return Gr00tPolicy(config, rngs=rngs)

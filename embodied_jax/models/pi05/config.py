@@ -7,13 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from flax import nnx
-
 from embodied_jax.assets import AssetError
 from embodied_jax.config_registry import register
 from embodied_jax.models.gemma import GemmaConfig
-from embodied_jax.models.pi05.flops import training_flops as analytic_training_flops
-from embodied_jax.models.pi05.model import Pi05Policy
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn.block_sparse import BlockSparseTiling
 from embodied_jax.nn.compute import Compute
@@ -80,9 +76,6 @@ class Pi05Config(PolicyConfig):
         """What every module computes with, from the six fields ``dtype`` .. ``remat_policy`` (``nn/compute.py``)."""
         return Compute.of(self)
 
-    def make(self, rngs: nnx.Rngs) -> Pi05Policy:
-        return Pi05Policy(self, rngs=rngs)
-
     def fit_to_dataset(self, features: DatasetFeatures) -> Pi05Config:
         """``action_dim`` = the dataset's action width (the loss mask); state and actions must fit
         the padded widths. The image slots stay the model's (the data maps cameras onto them)."""
@@ -139,10 +132,6 @@ class Pi05Config(PolicyConfig):
             image_tokens=self.vision.num_patches,
             image_token_id=self.image_token_id,
         )
-
-    def training_flops(self, batch) -> dict[str, float]:
-        """Analytic training FLOPs of one step on ``batch`` (``flops.py``)."""
-        return analytic_training_flops(self, batch)
 
     def synthetic_batch(self, batch_size: int, seed: int = 0) -> dict[str, Any]:
         from embodied_jax.models.pi05.inputs import synthetic_pi05_batch

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from embodied_jax.models.gemma import MultiExpertGemma, TokenLayout
+from embodied_jax.models.pi05.config import Pi05Config
 from embodied_jax.models.siglip import SiglipVisionModel
 from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.attention import mask_positions
@@ -19,9 +20,7 @@ from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import fill_image_tokens, sincos_embedding
 from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.parallel.partition import shard_tokens
-
-if TYPE_CHECKING:  # the config imports this module (its make() builds the policy)
-    from embodied_jax.models.pi05.config import Pi05Config
+from embodied_jax.policy import implements
 
 
 @dataclasses.dataclass
@@ -362,3 +361,8 @@ class Pi05Policy(nnx.Module):
         states = jnp.asarray(states, jnp.float32).reshape(states.shape[0], *shape)
         density = flow.transition_log_density(self, velocity, states, schedule, sde)[:, :, 0]
         return flow.chunk_log_prob(density * self._real_dims(density))
+
+
+@implements(Pi05Config, "make")
+def build(config: Pi05Config, rngs: nnx.Rngs) -> Pi05Policy:
+    return Pi05Policy(config, rngs=rngs)
