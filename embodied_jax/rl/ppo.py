@@ -111,9 +111,9 @@ def make_update(
 
     def update(params, fixed, critic_params, opt_states, batch, key):
         n = batch["log_prob"].shape[0]
-        if n % settings.minibatches:
-            raise ValueError(f"{n} decisions do not split into {settings.minibatches} minibatches")
-        size = n // settings.minibatches
+        size = n // settings.minibatches  # each epoch leaves out the remainder (< minibatches), at random
+        if size == 0:
+            raise ValueError(f"{n} decisions do not fill {settings.minibatches} minibatches")
 
         def minibatch(carry, idx):
             params, critic_params, (p_state, c_state) = carry
@@ -127,7 +127,7 @@ def make_update(
             return (params, critic_params, (p_state, c_state)), metrics
 
         perms = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, settings.epochs))
-        idx = perms.reshape(settings.epochs * settings.minibatches, size)
+        idx = perms[:, : settings.minibatches * size].reshape(settings.epochs * settings.minibatches, size)
         (params, critic_params, opt_states), metrics = jax.lax.scan(minibatch, (params, critic_params, opt_states), idx)
         out = jax.tree.map(jnp.mean, metrics)
         out["first_ratio"] = metrics["ratio_mean"][0]
