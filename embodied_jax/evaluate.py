@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from embodied_jax.bundle import PolicyBundle
+from embodied_jax.bundle import PolicyBundle, act_fn
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.errors import InputError
 from embodied_jax.policy_evaluation import MetaWorldEvaluation, SimEvaluation
@@ -162,7 +162,7 @@ def evaluate_policy(
         raise EvaluationError(f"execute_steps={execute_steps}: execute at least one action of each chunk")
     env = make_env(task, image_size, instruction=instruction, phase_in_state=settings["phase_in_state"])
     _check_fits(bundle, env, task)
-    act, params = bundle.act_fn(env.instruction)
+    act, params = act_fn(bundle, env.instruction)
     config = EvalConfig(num_envs=envs, execute_steps=execute_steps, num_videos=videos, seed=seed)
     metrics = Evaluator(env, act, config)(params=params, out_dir=out_dir)
     metrics = {**metrics, "step": bundle.step, "seed": seed}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from flax import nnx
 
-from embodied_jax.bundle import PolicyBundle
+from embodied_jax.bundle import PolicyBundle, act_fn
 from embodied_jax.config_registry import register
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
 from embodied_jax.train.config import Evaluation
@@ -45,7 +45,7 @@ class SimEvaluation(Evaluation):
         from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator  # MJX: imported when first used
 
         env = Env(self.task, EnvConfig(image_size=tuple(self.image_size), phase_in_state=self.phase_in_state))
-        act, params = bundle.act_fn(env.instruction)
+        act, params = act_fn(bundle, env.instruction)
         config = EvalConfig(
             num_envs=self.num_envs, execute_steps=self.execute_steps, num_videos=num_videos, seed=self.seed
         )

@@ -178,7 +178,7 @@ def test_delays_the_evaluator_cannot_simulate_are_named(env):
 )
 def test_bundle_rtc_prefix_is_the_inverse_of_postprocess(mode, delta):
     """``act_fn(..., rtc=True)`` turns robot actions back into the model's normalised space."""
-    from embodied_jax.bundle import PolicyBundle
+    from embodied_jax.bundle import PolicyBundle, model_actions_fn
 
     rng = np.random.default_rng(0)
     low, high = -rng.uniform(1, 2, 3), rng.uniform(1, 2, 3)
@@ -193,5 +193,5 @@ def test_bundle_rtc_prefix_is_the_inverse_of_postprocess(mode, delta):
     model_actions = rng.uniform(-0.9, 0.9, (2, HORIZON, 3)).astype(np.float32)
     state = rng.normal(size=(2, 5)).astype(np.float32)
     robot = bundle.postprocess(model_actions, state)
-    back = jax.jit(bundle._model_actions_fn())(robot, state)
+    back = jax.jit(model_actions_fn(bundle))(robot, state)
     np.testing.assert_allclose(back, model_actions, atol=1e-5)

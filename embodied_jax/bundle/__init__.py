@@ -15,7 +15,7 @@ unnormalised and absolute (delta actions turned back): [horizon, action_dim] for
 observation, [B, horizon, action_dim] for a batch. Every key, shape, dtype and value
 range, and each ``ObservationError``, is described in ``docs/observations.md``.
 
-``act_fn(instruction)`` gives the simulator's evaluator a jittable ``act(params,
+``act_fn(bundle, instruction)`` gives the simulator's evaluator a jittable ``act(params,
 observation, rng) -> [B, H, A]`` and the parameters to call it with; the host
 preprocessing runs inside the compiled program through ``jax.pure_callback``, so
 evaluation exercises the same code as serving. ``device_io.device_io(bundle, instruction)``
@@ -26,10 +26,13 @@ makes a bundle from a checkpoint.
 
 from embodied_jax.bundle.device_io import DeviceIO, DeviceIOError
 from embodied_jax.bundle.observation import NormStatsError, ObservationError, RtcPrefix
-from embodied_jax.bundle.policy import ActFn, PolicyBundle, PreparedRow, row_keys
+from embodied_jax.bundle.policy import PolicyBundle, PreparedRow, row_keys
+from embodied_jax.bundle.sim_adapter import ActFn, act_fn, model_actions_fn
 
 __all__ = [
     "ActFn",
+    "act_fn",
+    "model_actions_fn",
     "DeviceIO",
     "DeviceIOError",
     "NormStatsError",

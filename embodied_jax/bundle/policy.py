@@ -5,7 +5,7 @@ simulator's ``act_fn``."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import embodied_jax.bundle.sim_adapter as sim_adapter
 from embodied_jax.bundle.observation import (
     TIME_KEYS,
     ObservationError,
@@ -25,8 +24,6 @@ from embodied_jax.data.samples import to_absolute_actions
 from embodied_jax.data.stats import FeatureStats, Normalizer
 from embodied_jax.nn import rtc
 from embodied_jax.nn.traced import merge_in_trace
-
-ActFn = Callable[[Any, dict[str, Any], jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,19 +278,3 @@ class PolicyBundle:
         padded = np.concatenate([actions, np.repeat(actions[-1:], horizon - len(actions), axis=0)])
         weights = np.asarray(rtc.prefix_weights(horizon, prefix.delay, horizon - len(actions)))
         return padded, weights
-
-    # ------------------------------------------------------------------ in-jit form
-    def act_fn(
-        self,
-        instruction: str,
-        camera_keys: Mapping[str, str] | None = None,
-        *,
-        rtc: bool = False,
-        max_guidance: float = 5.0,
-    ) -> tuple[ActFn, Any]:
-        """``(act, params)`` for ``sim.Evaluator`` (``sim_adapter.act_fn``, which documents both forms)."""
-        return sim_adapter.act_fn(self, instruction, camera_keys, rtc=rtc, max_guidance=max_guidance)
-
-    def _model_actions_fn(self) -> Callable[[jax.Array, jax.Array], jax.Array]:
-        """Robot actions into the model's action space, in the program (``sim_adapter.model_actions_fn``)."""
-        return sim_adapter.model_actions_fn(self)

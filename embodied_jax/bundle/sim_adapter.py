@@ -21,8 +21,10 @@ import numpy as np
 
 from embodied_jax.data.stats import normalize
 
-if TYPE_CHECKING:  # policy.py imports this module
-    from embodied_jax.bundle.policy import ActFn, PolicyBundle
+if TYPE_CHECKING:
+    from embodied_jax.bundle.policy import PolicyBundle
+
+ActFn = Callable[[Any, dict[str, Any], jax.Array], jax.Array]  # (params, observation, rng) -> actions
 
 
 def act_fn(

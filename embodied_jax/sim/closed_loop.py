@@ -33,7 +33,7 @@ time origin (``shift_prefix(C_{r-1}, k)``, unnormalised robot actions) with
 ``prefix_weights(H, delay=d, executed=k)`` ("exp"; all zero at the first query), so that the
 new chunk's first d actions are the ones executing during the delay and the rest of the
 overlap blends into it. An RTC policy is ``act(observation, rng, prefix_actions,
-prefix_weights)`` (``params`` first with ``params``; ``bundle.act_fn(..., rtc=True)``), which
+prefix_weights)`` (``params`` first with ``params``; ``embodied_jax.bundle.act_fn(bundle, ..., rtc=True)``), which
 samples plainly when both are None. d = 0 without RTC is the program described above.
 
 Results: per-task success rate with a 95% Wilson interval, mean episode length, mean

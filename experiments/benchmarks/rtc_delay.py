@@ -25,6 +25,7 @@ from typing import Annotated
 import jax
 import tyro
 
+from embodied_jax.bundle import act_fn
 from embodied_jax.cli import parse_flags
 from experiments.benchmarks import harness
 
@@ -42,7 +43,7 @@ def evaluate_cells(bundle, task: str, *, envs: int, execute_steps: int, delays, 
     cells = []
     for delay in delays:
         for method in ("naive", "rtc"):
-            act, params = bundle.act_fn(env.instruction, rtc=method == "rtc", max_guidance=guidance)
+            act, params = act_fn(bundle, env.instruction, rtc=method == "rtc", max_guidance=guidance)
             config = EvalConfig(
                 num_envs=envs,
                 execute_steps=execute_steps,

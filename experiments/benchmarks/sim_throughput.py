@@ -35,6 +35,7 @@ import numpy as np
 import tyro
 from mujoco import mjx
 
+from embodied_jax.bundle import act_fn
 from embodied_jax.cli import parse_flags
 from embodied_jax.sim import closed_loop as eval_lib
 from embodied_jax.sim import env as env_lib
@@ -227,7 +228,7 @@ def main(argv=None) -> dict:
     if bundle is None:
         act = trivial_policy(env)
     else:
-        act_with, params = bundle.act_fn(env.instruction)
+        act_with, params = act_fn(bundle, env.instruction)
         act = functools.partial(act_with, params)
     baseline, how = loop_episodes_per_s(env, args.baseline_episodes, act)
     horizon = HORIZON if bundle is None else bundle.config.model.action_horizon
