@@ -40,12 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from embodied_jax.bundle.front import DeviceIOError, Front
 from embodied_jax.bundle.observation import ObservationError
 from embodied_jax.bundle.pi05_prompt import Pi05Prompt, host_prompt_tokens, pad_state
 from embodied_jax.bundle.sim_adapter import model_actions_fn
 from embodied_jax.data.samples import to_absolute_actions
-from embodied_jax.data.stats import normalize, unnormalize
-from embodied_jax.errors import InputError
+from embodied_jax.data.stats import unnormalize
 from embodied_jax.nn.image import to_unit_range
 
 if TYPE_CHECKING:
@@ -55,10 +55,6 @@ log = logging.getLogger(__name__)
 
 Observe = Callable[..., dict[str, Any]]
 ActionsFn = Callable[[jax.Array, jax.Array], jax.Array]
-
-
-class DeviceIOError(InputError, ValueError):
-    """A bundle (or an observation's layout) that the in-program processing cannot express."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +104,7 @@ def device_io(bundle: PolicyBundle, instruction: str, camera_keys: Mapping[str, 
         )
     if getattr(builder, "packed", False):
         raise DeviceIOError(f"{type(builder).__name__} builds packed samples: the bundle's builder must be unpacked")
-    front = _Front.of(bundle)
+    front = Front.of(bundle)
     row, host_tokens = form(builder, instruction, front)
     observe = _observe(front, row, host_tokens, dict(camera_keys or {}))
     return DeviceIO(observe, _act_fn(bundle), model_actions_fn(bundle), host_tokens is not None)
@@ -117,109 +113,7 @@ def device_io(bundle: PolicyBundle, instruction: str, camera_keys: Mapping[str, 
 # ----------------------------------------------------------------------------- the per-sample transform
 
 
-@dataclasses.dataclass(frozen=True)
-class _Front:
-    """The per-sample transform before the builder (``SampleTransform``: normalise, images, rename)
-    on one row: state [S] -> normalised float32 [S]; images {dataset key: uint8 [H, W, 3]} ->
-    {model slot: float32 [H, W, 3]}."""
-
-    state_key: str
-    state_dim: int | None
-    state_norm: tuple[Any, str] | None  # (FeatureStats, mode)
-    cameras: tuple[tuple[str, str], ...]  # (dataset key, model slot)
-    image_size: tuple[int, int] | None
-    as_float: bool
-
-    @classmethod
-    def of(cls, bundle: PolicyBundle) -> _Front:
-        transform, inputs = bundle.transform, bundle.inputs
-        norm = None
-        if transform.normalizer is not None and inputs.state_key in transform.normalizer.modes:
-            mode = transform.normalizer.modes[inputs.state_key]
-            stats = transform.normalizer.stats.get(inputs.state_key)
-            if stats is None:
-                raise DeviceIOError(f"norm_stats has no statistics for {inputs.state_key!r} ({mode} normalisation)")
-            norm = (stats, mode)
-        size = transform.images.size
-        return cls(
-            state_key=inputs.state_key,
-            state_dim=bundle.state_dim,
-            state_norm=norm,
-            cameras=tuple(inputs.cameras),
-            image_size=None if size is None else (int(size[0]), int(size[1])),
-            as_float=transform.images.as_float,
-        )
-
-    def state(self, state: jax.Array) -> jax.Array:
-        state = jnp.asarray(state, jnp.float32)
-        if self.state_norm is None:
-            return state
-        stats, mode = self.state_norm
-        return normalize(state, stats, mode, key=self.state_key, xp=jnp)
-
-    def host_state(self, state: np.ndarray) -> np.ndarray:
-        """One raw state normalised on the host, as the bundle's transform does (NumPy)."""
-        state = np.asarray(state, np.float32)
-        if self.state_norm is None:
-            return state
-        stats, mode = self.state_norm
-        return normalize(state, stats, mode, key=self.state_key)
-
-    def host_raw_state(self, normalised: np.ndarray) -> np.ndarray:
-        """A raw state whose normalisation is about ``normalised`` (probe states)."""
-        if self.state_norm is None:
-            return np.asarray(normalised, np.float32)
-        stats, mode = self.state_norm
-        return unnormalize(normalised, stats, mode, key=self.state_key)
-
-    def thresholds(self, edges: np.ndarray) -> np.ndarray:
-        """[S, K] float32: per state dimension, the smallest raw float32 value whose host
-        normalisation is >= ``edges[k]`` (NaN: none); [1, K] (the edges) without normalisation.
-        A binary search over the ordered float32 values: normalising (float64, one rounding to
-        float32) and clipping are monotone."""
-        edges = np.asarray(edges, np.float32)
-        if self.state_norm is None:
-            return edges[None]
-        width = len(np.asarray(self.state_norm[0].mean))
-        shape = (len(edges), width)
-        low, high = np.full(shape, _order(-np.inf)), np.full(shape, _order(np.inf))
-
-        def reaches(order):  # [K, S] bool: the normalisation of those values reaches each edge
-            with np.errstate(over="ignore", invalid="ignore"):  # the search starts at +-inf
-                return self.host_state(_from_order(order)) >= edges[:, None]
-
-        while (low < high).any():
-            middle = (low + high) // 2
-            above = reaches(middle)
-            high, low = np.where(above, middle, high), np.where(above, low, middle + 1)
-        return np.where(reaches(low), _from_order(low), np.float32(np.nan)).T.copy()
-
-    def images(self, images: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        out = {}
-        for key, slot in self.cameras:
-            image = images[key]
-            if self.image_size is not None and tuple(image.shape[:2]) != self.image_size:
-                raise DeviceIOError(
-                    f"{key}: images of {image.shape[0]}x{image.shape[1]}, the run's image size is "
-                    f"{self.image_size[0]}x{self.image_size[1]}: device_io does not resize (the host "
-                    "resizes through swscale); render at the run's image size"
-                )
-            out[slot] = to_unit_range(image, xp=jnp) if self.as_float else image
-        return out
-
-
-def _order(value: Any) -> np.ndarray:
-    """float32 -> int64 keys in the floats' order (-0.0 and 0.0 alike)."""
-    bits = np.asarray(value, np.float32).view(np.int32).astype(np.int64)
-    return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
-
-
-def _from_order(order: np.ndarray) -> np.ndarray:
-    """The inverse of ``_order``."""
-    return np.where(order < 0, (-order) | 0x80000000, order).astype(np.uint32).view(np.float32)
-
-
-def _observe(front: _Front, row, host_tokens, camera_keys: dict[str, str]) -> Observe:
+def _observe(front: Front, row, host_tokens, camera_keys: dict[str, str]) -> Observe:
     def observe(state, images=None):
         if images is None and isinstance(state, Mapping):  # the simulator's observation dict
             state, images = state["state"], state["images"]
@@ -299,7 +193,7 @@ def _check_size(slot: str, image: jax.Array, size: tuple[int, int] | None, build
         )
 
 
-def _gr00t(builder, instruction: str, front: _Front):
+def _gr00t(builder, instruction: str, front: Front):
     """GR00T (``Gr00tInputBuilder``): the prompt is fixed per instruction; state padded; every
     camera present; images as the data layer made them."""
     slots = [slot for _, slot in front.cameras]
@@ -329,7 +223,7 @@ def _gr00t(builder, instruction: str, front: _Front):
     return row, None
 
 
-def _pi05(builder, instruction: str, front: _Front):
+def _pi05(builder, instruction: str, front: Front):
     """π0.5 (``Pi05InputBuilder``): the prompt holds the discretised state (``bundle/pi05_prompt.py``);
     cameras the run lacks are -1 and masked; images read with ``floats="auto"``."""
     prompt = Pi05Prompt.build(builder, instruction, front)

@@ -16,7 +16,7 @@ import numpy as np
 from embodied_jax.bundle.observation import ObservationError
 
 if TYPE_CHECKING:
-    from embodied_jax.bundle.device_io import _Front
+    from embodied_jax.bundle.front import Front
 
 
 def pad_state(state: jax.Array, width: int, value: Any = 0) -> jax.Array:
@@ -26,7 +26,7 @@ def pad_state(state: jax.Array, width: int, value: Any = 0) -> jax.Array:
     return jnp.pad(state, (0, width - state.shape[0]), constant_values=value)
 
 
-def host_prompt_tokens(builder, instruction: str, front: _Front):
+def host_prompt_tokens(builder, instruction: str, front: Front):
     """The fallback: π0.5's prompt tokens of raw states [..., S], normalised and tokenised by the
     run's own transform and builder on the host."""
     length = builder.max_token_len
@@ -72,7 +72,7 @@ class Pi05Prompt:
     pad_id: int
 
     @classmethod
-    def build(cls, builder, instruction: str, front: _Front) -> Pi05Prompt:
+    def build(cls, builder, instruction: str, front: Front) -> Pi05Prompt:
         tokenizer = builder.tokenizer
         task = instruction.strip().replace("_", " ").replace("\n", " ")  # the builder's clean_task
         head = tokenizer.encode(f"Task: {task}, State:", add_bos=True)
@@ -123,7 +123,7 @@ class Pi05Prompt:
         tokens = jnp.where(mask, flat[jnp.minimum(source, flat.shape[0] - 1)], self.pad_id)
         return tokens.astype(jnp.int32), mask
 
-    def verify(self, builder, instruction: str, front: _Front) -> bool:
+    def verify(self, builder, instruction: str, front: Front) -> bool:
         """Whether the assembly equals the builder's own tokens (after the host's normalisation)
         for probe raw states: normalised every bin 0, every bin 255, every bin -1 (where the
         normalisation reaches it), a seeded random mix, and values on and just below edges."""
