@@ -1,6 +1,5 @@
 """``PolicyBundle``: a trained model as the policy a robot (or the simulator) runs (the package
-docstring has the whole story); host pre/post-processing, the jitted per-row sampler and the
-simulator's ``act_fn``."""
+docstring has the whole story); host pre/post-processing and the jitted per-row sampler."""
 
 from __future__ import annotations
 
