@@ -23,10 +23,13 @@ import argparse
 import json
 import logging
 import pathlib
+import shlex
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import embodied_jax.records as records
 from embodied_jax.bundle import PolicyBundle, act_fn
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.errors import InputError
@@ -340,6 +343,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PX",
         help="Meta-World: square render size (default: the policy's input size; 480 is LeRobot's)",
     )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="append the result, with the commit of the checkout run from, the run's config hash, the seed, "
+        f"episodes and wall time, to <results>/evaluate.jsonl (default results: ./{records.RESULTS})",
+    )
+    parser.add_argument("--results", default=None, help="for --record: the results directory")
+    parser.add_argument(
+        "--shared-machine", action="store_true", help="for --record: other work shared the machine during the run"
+    )
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     # The project's own warnings; absl (Orbax's logger) warns about its type-handler registry on every start.
@@ -374,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise EvaluationError(f"cannot write the report to {out}: {exc.strerror}; choose another --out") from exc
+        started = time.perf_counter()
         if metaworld_task:
             print(f"evaluating step {bundle.step} of {args.ckpt} on {args.task} in Meta-World ...", flush=True)
             metrics = evaluate_metaworld(
@@ -405,7 +419,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(exc, verbose=args.verbose)
     print(summary_line(metrics))
     print("\n".join(detail_lines(metrics) + report_lines(metrics, out)))
+    if args.record:
+        seconds = time.perf_counter() - started
+        argv = sys.argv[1:] if argv is None else list(argv)
+        path = record(metrics, bundle, args, argv, seconds)
+        print(f"recorded: {path}")
     return 0
+
+
+RECORDED = ("task", "success_rate", "success_ci95", "episodes", "mean_episode_length", "step", "seed")
+RECORDED_METAWORLD = ("group_average", "mean_task_success", "per_difficulty")
+
+
+def record(metrics: dict[str, Any], bundle: PolicyBundle, args: argparse.Namespace, argv, seconds: float):
+    """Append the evaluation's row (``embodied_jax/records.py``) to ``<results>/evaluate.jsonl``."""
+    result = {k: metrics[k] for k in (*RECORDED, *RECORDED_METAWORLD) if k in metrics}
+    if "per_task" in metrics:
+        result["per_task"] = {t: e["success_rate"] for t, e in metrics["per_task"].items()}
+    root = pathlib.Path.cwd()
+    entry = records.row(
+        "evaluate",
+        root=root,
+        command="python -m embodied_jax.evaluate " + shlex.join(argv),
+        result=result,
+        config=bundle.config,
+        extra={
+            "checkpoint": str(args.ckpt),
+            "seeds": {"evaluation": metrics.get("seed")},
+            "wall_s": {"evaluation": round(seconds, 1)},
+            "machine": {**records.machine(), "shared": bool(args.shared_machine)},
+        },
+    )
+    return records.append(entry, args.results or root / records.RESULTS)
 
 
 if __name__ == "__main__":

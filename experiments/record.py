@@ -1,4 +1,5 @@
-"""``--record`` for learning results: one JSON row per run in ``experiments/benchmarks/results/<name>.jsonl``.
+"""``--record`` for learning results: one JSON row per run in ``experiments/benchmarks/results/<name>.jsonl``
+(the row format is ``embodied_jax/records.py``'s).
 
 A row holds what an outsider needs to rerun and judge the figure: the commit (``-dirty`` and
 ``"clean": false`` when the tree had uncommitted changes outside ``results/``; the docs' tables take clean rows only),
@@ -10,22 +11,15 @@ training and evaluation, and the machine (whether other work shared it is the re
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import json
 import pathlib
 import sys
 from collections.abc import Mapping
 from typing import Any
 
-from embodied_jax import config_registry
-from experiments.benchmarks.harness import RESULTS, _commit, machine
+from embodied_jax import records
+from experiments.benchmarks.harness import RESULTS, ROOT
 
-
-def config_hash(config: Any) -> str:
-    """sha256 (first 16 hex digits) of the config as it is saved (``config_registry.to_dict``)."""
-    payload = json.dumps(config_registry.to_dict(config), sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+config_hash = records.config_hash
 
 
 def success_row(
@@ -38,30 +32,25 @@ def success_row(
     overrides: list[str] | None = None,
     shared_machine: bool = False,
 ) -> dict[str, Any]:
-    commit = _commit()
     overrides = list(sys.argv[2:] if overrides is None else overrides)
-    return {
-        "benchmark": name,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": commit,
-        "clean": bool(commit) and not commit.endswith("-dirty"),
-        "config_hash": config_hash(config),
-        "overrides": overrides,
-        "seeds": dict(seeds),
-        "wall_s": {k: round(float(v), 1) for k, v in wall_s.items()},
-        "machine": {**machine(matmul_rate=False), "shared": bool(shared_machine)},
-        "command": " ".join([f"python -m experiments.launch {name}", *overrides]),
-        "result": dict(result),
-    }
+    return records.row(
+        name,
+        root=ROOT,
+        command=" ".join([f"python -m experiments.launch {name}", *overrides]),
+        result=dict(result),
+        config=config,
+        extra={
+            "overrides": overrides,
+            "seeds": dict(seeds),
+            "wall_s": {k: round(float(v), 1) for k, v in wall_s.items()},
+            "machine": {**records.machine(), "shared": bool(shared_machine)},
+        },
+    )
 
 
 def append(row: Mapping[str, Any], results: pathlib.Path = RESULTS) -> pathlib.Path:
     """Append ``row`` to ``<results>/<benchmark>.jsonl``; returns the file."""
-    results.mkdir(parents=True, exist_ok=True)
-    path = results / f"{row['benchmark']}.jsonl"
-    with path.open("a") as f:
-        f.write(json.dumps(row, default=float) + "\n")
-    return path
+    return records.append(row, results)
 
 
 def save(row: Mapping[str, Any]) -> str:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tyro
 
+from embodied_jax import records
 from experiments.benchmarks import compare_steps
 
 
@@ -189,10 +190,10 @@ def test_a_recorded_row_names_its_commit_machine_and_command(tmp_path, monkeypat
     from experiments.benchmarks import harness, report
 
     monkeypatch.setattr(harness, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
-    monkeypatch.setattr(harness, "_commit", lambda: "abc123")
+    monkeypatch.setattr(records, "commit", lambda root, outputs=None: "abc123")
     harness.record("toy_bench", {"speedup": 1.5, "nested": {"p99_ms": 12.0}, "note": "x"}, ["--rounds", "2"], tmp_path)
     harness.record("toy_bench", {"speedup": 1.7}, ["--rounds", "2"], tmp_path)  # same configuration: the latest wins
-    monkeypatch.setattr(harness, "_commit", lambda: "abc123-dirty")
+    monkeypatch.setattr(records, "commit", lambda root, outputs=None: "abc123-dirty")
     harness.record("toy_bench", {"speedup": 9.9}, ["--rounds", "2"], tmp_path)  # uncommitted changes: never shown
     rows = report.latest_runs(tmp_path)["toy_bench"]
     assert len(rows) == 1 and rows[0]["result"] == {"speedup": 1.7}
@@ -209,10 +210,10 @@ def test_a_success_row_from_uncommitted_changes_is_marked_and_left_out_of_the_ta
     from experiments.benchmarks import report
     from experiments.toy import toy
 
-    monkeypatch.setattr(record, "machine", lambda matmul_rate=False: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
+    monkeypatch.setattr(records, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
     config = toy()
     for commit in ("abc123", "abc123-dirty"):
-        monkeypatch.setattr(record, "_commit", lambda commit=commit: commit)
+        monkeypatch.setattr(records, "commit", lambda root, outputs=None, commit=commit: commit)
         row = record.success_row(
             "toy_success",
             config,
@@ -259,7 +260,7 @@ def test_runs_that_differ_only_in_the_training_seed_are_reported_together(tmp_pa
     from experiments.benchmarks import report
     from experiments.toy import toy
 
-    monkeypatch.setattr(record, "machine", lambda matmul_rate=False: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
+    monkeypatch.setattr(records, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
     runs = [
         ("abc", 0, 0.8, []),
         ("abc", 1, 0.9, []),
@@ -268,7 +269,7 @@ def test_runs_that_differ_only_in_the_training_seed_are_reported_together(tmp_pa
         ("abc", 0, 0.2, ["--x"]),
     ]
     for commit, seed, rate, extra in runs:
-        monkeypatch.setattr(record, "_commit", lambda commit=commit: commit)
+        monkeypatch.setattr(records, "commit", lambda root, outputs=None, commit=commit: commit)
         overrides = [
             "--task",
             "pick_place",
@@ -318,7 +319,7 @@ def test_anchors_stand_beside_the_runs_of_their_configuration(tmp_path, monkeypa
     from experiments.benchmarks import harness, report
 
     monkeypatch.setattr(harness, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
-    monkeypatch.setattr(harness, "_commit", lambda: "abc123")
+    monkeypatch.setattr(records, "commit", lambda root, outputs=None: "abc123")
     harness.record("train_step", {"experiment": "a_bench", "median_step_s": 0.25}, ["a_bench"], tmp_path)
 
     def anchor(name, experiment, date, step_s):

@@ -21,7 +21,7 @@ LIBRARY = ROOT / "embodied_jax"
 # Top-level modules: the contracts, the error base, the command-line conventions (with the
 # process's malloc settings), the saved-config registry and the containment of paths read from
 # untrusted directories are importable from anywhere.
-ANYWHERE = {"assets", "cli", "config_registry", "errors", "host_malloc", "paths", "policy", "variables"}
+ANYWHERE = {"assets", "cli", "config_registry", "errors", "host_malloc", "paths", "policy", "records", "variables"}
 ALLOWED = {
     "parallel": set(),
     "nn": {"parallel"},
@@ -46,6 +46,7 @@ ALLOWED = {
     "host_malloc": set(),
     "paths": set(),
     "policy": set(),
+    "records": set(),
     "variables": set(),
 }
 _BY_NAME = {

@@ -47,8 +47,25 @@ def evaluated(demo_run, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setattr(SampleTransform, "__call__", spy)
-        status = main([str(run / "checkpoints"), "--task", "reach", "--envs", "2", "--videos", "1"])
+        argv = [str(run / "checkpoints"), "--task", "reach", "--envs", "2", "--videos", "1"]
+        status = main([*argv, "--record", "--results", str(run / "results")])
     return run, status, printed.getvalue()
+
+
+def test_evaluate_records_its_result_with_the_checkout_and_the_runs_config(evaluated):
+    from embodied_jax import load_policy, records
+
+    run, status, printed = evaluated
+    bundle = load_policy(run / "checkpoints")
+    assert status == 0, printed
+    (row,) = [json.loads(line) for line in (run / "results" / "evaluate.jsonl").read_text().splitlines()]
+    assert f"recorded: {run / 'results' / 'evaluate.jsonl'}" in printed
+    assert row["benchmark"] == "evaluate" and row["config_hash"] == records.config_hash(bundle.config)
+    assert row["result"]["task"] == "reach" and row["result"]["episodes"] == 2 and row["result"]["step"] == 4
+    assert row["seeds"] == {"evaluation": 1} and row["wall_s"]["evaluation"] > 0  # the test seed
+    assert row["command"].startswith("python -m embodied_jax.evaluate ") and "--record" in row["command"]
+    assert row["clean"] == (row["commit"] is not None and not row["commit"].endswith("-dirty"))
+    assert row["machine"]["shared"] is False and row["checkpoint"] == str(run / "checkpoints")
 
 
 def test_evaluate_writes_the_demos_report_next_to_the_checkpoints(evaluated, demo_run, bundle):

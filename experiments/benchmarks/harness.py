@@ -16,13 +16,9 @@ alternation in one process, and recording results as data.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import pathlib
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +26,10 @@ from typing import Any
 
 import jax
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+from embodied_jax import records
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / records.RESULTS
 _RECORD_ENV = "EMBODIED_JAX_BENCHMARK_RECORD"  # survives the command line's one re-exec (host_malloc)
 
 
@@ -58,26 +57,9 @@ def alternate(steps: dict[str, Callable[[], Any]], *, rounds: int, warmup: int =
     return times
 
 
-def _cpu_model() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(matmul_rate: bool = True) -> dict[str, Any]:
     """The machine a result was measured on; ``matmul_rate``: also time this machine's float32 matmuls."""
-    devices = jax.devices()
-    out = {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "backend": jax.default_backend(),
-        "devices": len(devices),
-        "device_kind": devices[0].device_kind,
-    }
+    out = records.machine()
     if matmul_rate:
         out["matmul_gflops"] = round(matmul_flops_per_s() / 1e9, 1)
     return out
@@ -92,38 +74,15 @@ def matmul_flops_per_s(repeats: int = 7) -> float:
 
 
 def _commit() -> str | None:
-    root = pathlib.Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True)
-        # Rows appended under results/ are outputs, not what ran: they leave a checkout clean.
-        outputs = f":(exclude){RESULTS.relative_to(root)}"
-        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", outputs]
-        dirty = subprocess.run(status, cwd=root, capture_output=True)
-    except OSError:
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return records.commit(ROOT, RESULTS)
 
 
 def record(benchmark: str, result: Any, command: list[str], results: pathlib.Path = RESULTS) -> pathlib.Path:
     """Append ``result`` (JSON-serialisable) as one line of ``<results>/<benchmark>.jsonl``, with the
     commit (``-dirty`` and ``"clean": false`` when the tree had uncommitted changes)."""
-    commit = _commit()
-    row = {
-        "benchmark": benchmark,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": commit,
-        # Uncommitted changes: the row is kept but marked, and the generated tables leave it out.
-        "clean": bool(commit) and not commit.endswith("-dirty"),
-        "machine": machine(),
-        "command": f"python -m experiments.benchmarks.{benchmark} {shlex.join(command)}".rstrip(),
-        "result": result,
-    }
-    results.mkdir(parents=True, exist_ok=True)
-    path = results / f"{benchmark}.jsonl"
-    with path.open("a") as f:
-        f.write(json.dumps(row, default=float) + "\n")
+    command = f"python -m experiments.benchmarks.{benchmark} {shlex.join(command)}".rstrip()
+    row = records.row(benchmark, root=ROOT, command=command, result=result, extra={"machine": machine()})
+    path = records.append(row, results)
     return path
 
 
