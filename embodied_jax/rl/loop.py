@@ -61,9 +61,31 @@ class RLResult:
 
 
 def critic_functions(state_dim: int, width: int, seed: int):
-    """``(critic(params, state, progress), params)``."""
-    graphdef, params = nnx.split(Critic(state_dim, width, rngs=nnx.Rngs(seed)))
-    return (lambda p, s, prog: nnx.merge(graphdef, p, copy=True)(s, prog)), params
+    """``(critic(params, state, progress), params)``: params ``{"net", "shift", "scale"}``, the network
+    predicting the value in units of the returns' running scale (``value_stats``): value = net *
+    scale + shift, so the critic learns at the same pace whatever the rewards' size. ``shift`` and
+    ``scale`` get no gradient; the loop sets them."""
+    graphdef, net = nnx.split(Critic(state_dim, width, rngs=nnx.Rngs(seed)))
+
+    def critic(p, s, prog):
+        raw = nnx.merge(graphdef, p["net"], copy=True)(s, prog)
+        return raw * jax.lax.stop_gradient(p["scale"]) + jax.lax.stop_gradient(p["shift"])
+
+    return critic, {"net": net, "shift": jnp.zeros((), jnp.float32), "scale": jnp.ones((), jnp.float32)}
+
+
+def value_stats(critic_params, returns, active, first: bool, decay: float = 0.9):
+    """``critic_params`` with ``shift``/``scale`` moved to the mean and std of this rollout's returns
+    (over active decisions): set on the first iteration, an exponential average (``decay``) after."""
+    mask = np.asarray(active, bool)
+    r = np.asarray(returns, np.float64)[mask]
+    if r.size == 0:
+        return critic_params
+    mean, std = r.mean(), max(r.std(), 1e-3)
+    if not first:
+        mean = decay * float(critic_params["shift"]) + (1 - decay) * mean
+        std = decay * float(critic_params["scale"]) + (1 - decay) * std
+    return {**critic_params, "shift": jnp.asarray(mean, jnp.float32), "scale": jnp.asarray(std, jnp.float32)}
 
 
 def chain_scores(agent, params, batch: dict[str, Any], chunk: int) -> jax.Array:
@@ -235,6 +257,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             jax.block_until_ready(batch_rollout.success)
             t_roll = time.perf_counter() - t0
             adv, returns = _advantages(rl, batch_rollout)
+            critic_params = value_stats(critic_params, returns, batch_rollout.active, first=it == 0)
             batch = ppo.flat_decisions(batch_rollout, adv, returns, batch_rollout.log_prob)
             t0 = time.perf_counter()
             batch["start_log_prob"], kl_to_start = start_log_prob(batch, jax.random.fold_in(k_update, 1))

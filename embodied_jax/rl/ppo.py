@@ -59,7 +59,8 @@ def ppo_loss(
     surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - settings.clip, 1.0 + settings.clip) * adv)
     policy_loss = -_masked_mean(surrogate, mask)
     value = critic(critic_params, mb["critic_input"], mb["progress"])
-    value_loss = _masked_mean(jnp.square(value - mb["return"]), mask)
+    scale = critic_params["scale"] if isinstance(critic_params, dict) and "scale" in critic_params else 1.0
+    value_loss = _masked_mean(jnp.square((value - mb["return"]) / scale), mask)  # in the returns' units
     log_r = jnp.clip(jnp.where(mask > 0, mb["start_log_prob"] - log_prob, 0.0), -20.0, 20.0)
     kl_start = _masked_mean(jnp.exp(log_r) - 1.0 - log_r, mask)
     loss = policy_loss + settings.value_coef * value_loss + settings.kl_coef * kl_start
