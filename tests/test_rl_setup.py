@@ -102,3 +102,22 @@ def test_the_critic_sees_the_objects_pose_and_the_policys_inputs_do_not():
     np.testing.assert_array_equal(before[:, :width], after[:, :width])
     assert np.abs(before[:, width:] - after[:, width:]).max() == pytest.approx(0.05, abs=1e-6)
     assert rollout_lib.critic_width(env, True) == before.shape[-1] > rollout_lib.critic_width(env, False) == width
+
+
+def test_the_critics_scale_follows_the_returns_and_gets_no_gradient():
+    from embodied_jax.rl.loop import value_stats
+
+    critic, params = critic_functions(3, 8, 0)
+    returns = jnp.asarray([[10.0, 20.0, 99.0], [30.0, 40.0, 99.0]])
+    active = jnp.asarray([[True, True, False], [True, True, False]])  # the 99s are after the episodes ended
+    params = value_stats(params, returns, active, first=True)
+    assert float(params["shift"]) == pytest.approx(25.0) and float(params["scale"]) == pytest.approx(
+        np.std([10, 20, 30, 40])
+    )
+    later = value_stats(params, returns + 10.0, active, first=False)
+    assert float(later["shift"]) == pytest.approx(0.9 * 25.0 + 0.1 * 35.0)
+    x, progress = jnp.ones((2, 3)), jnp.zeros((2,))
+    # value = net * scale + shift: the untrained (zero) head predicts the mean return
+    np.testing.assert_allclose(critic(params, x, progress), [25.0, 25.0])
+    grads = jax.grad(lambda p: critic(p, x, progress).sum())(params)
+    assert float(grads["shift"]) == 0.0 and float(grads["scale"]) == 0.0
