@@ -86,7 +86,10 @@ def test_the_rl_default_sampler_keeps_the_deployed_samplers_marginals():
     rl = RLConfig()
     sde = flow.FlowSDE(rl.noise_level, rl.stochastic_steps)
     x0 = jax.random.normal(jax.random.key(0), (n, 1))
-    velocity = lambda m, x, i: v(m, x, i, schedule.times)  # noqa: E731
+
+    def velocity(m, x, i):
+        return v(m, x, i, schedule.times)
+
     rl_actions = np.asarray(
         flow.sample(_Nothing(), velocity, x0, schedule, trace=True, sde=sde, rng=jax.random.key(1)).actions
     )

@@ -31,8 +31,8 @@ query rows still attend the real tokens before them, as HF does) while the VL ad
 the DiT cross-attention attend every VL token, padding included.
 """
 
-from embodied_jax.models.gr00t import flops as _flops  # noqa: F401  (registers the FLOP count)
+from embodied_jax.models.gr00t import flops  # registers the family's FLOP count (policy.implements)
 from embodied_jax.models.gr00t.config import Gr00tConfig, freeze_regexes
 from embodied_jax.models.gr00t.model import Gr00tPolicy
 
-__all__ = ["Gr00tConfig", "Gr00tPolicy", "freeze_regexes"]
+__all__ = ["flops", "Gr00tConfig", "Gr00tPolicy", "freeze_regexes"]

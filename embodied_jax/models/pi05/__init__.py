@@ -32,8 +32,8 @@ Explicit ``noise``/``time`` may be given in the shapes [R, (K,) (M,) horizon, A]
 (K and M axes present only when > 1).
 """
 
-from embodied_jax.models.pi05 import flops as _flops  # noqa: F401  (registers the FLOP count)
+from embodied_jax.models.pi05 import flops  # registers the family's FLOP count (policy.implements)
 from embodied_jax.models.pi05.config import GEMMA_2B, GEMMA_300M, SIGLIP_SO400M, Pi05Config
 from embodied_jax.models.pi05.model import Pi05Policy
 
-__all__ = ["GEMMA_2B", "GEMMA_300M", "SIGLIP_SO400M", "Pi05Config", "Pi05Policy"]
+__all__ = ["flops", "GEMMA_2B", "GEMMA_300M", "SIGLIP_SO400M", "Pi05Config", "Pi05Policy"]
