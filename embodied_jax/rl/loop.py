@@ -3,12 +3,14 @@
 One iteration: a jitted rollout of ``num_envs`` episodes with the policy in the loop
 (``rollout.py``), advantages (GAE with the critic, or GRPO's group-normalised success), the
 start policy's log-probability of every sampled chain (the KL to the start), and one jitted
-PPO update (``ppo.py``). Each iteration writes a ``metrics.jsonl`` / TensorBoard row: success
-rate and return of the rollout, value loss, KL to the start, clip fraction, approximate
-entropy (minus the mean log-probability of the chains), environment steps and decisions per
-second, rollout and update seconds. Held-out evaluation (``eval_every`` and at the end) runs the
-policy as it is deployed (the deterministic sampler, the bundle's own evaluation path) on reset
-seeds the rollouts never use.
+PPO update (``ppo.py``) of the weights ``rl.train`` names (``scope.py``). Each iteration writes a
+``metrics.jsonl`` / TensorBoard row: success rate and return of the rollout, value loss, KL to
+the start, clip fraction, approximate entropy (minus the mean log-probability of the chains),
+the critic's explained variance, the advantages' mean and std, the executed actions' spread
+(``diagnostics.py``), environment steps and decisions per second, rollout and update seconds.
+Held-out evaluation (the start, every ``eval_every`` iterations and at the end) runs the policy
+as it is deployed (the deterministic sampler, the bundle's own evaluation path) on reset seeds
+the rollouts never use; ``stop_below_start`` evaluations in a row below the start end the run.
 
 The run holds ``<workdir>/run.lock``; SIGTERM/SIGINT end it after the current iteration with a
 checkpoint (``Preempted``); a resumed run continues from the latest checkpoint and repeats the
