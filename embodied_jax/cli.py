@@ -44,6 +44,22 @@ def parse_flags(*args, **kwargs):
     raise AssertionError("unreachable")
 
 
+def renamed_flags(argv: Sequence[str], renames: Sequence[tuple[str, str]]) -> list[str]:
+    """``argv`` with each flag that starts with an old prefix spelled with the new one (``renames``:
+    ``(old, new)`` pairs), and one deprecation line on stderr per prefix used."""
+    out, said = [], set()
+    for arg in argv:
+        for old, new in renames:
+            if arg.startswith(old):
+                if old not in said:
+                    print(f"warning: {old}* is deprecated; it is now {new}*", file=sys.stderr)
+                    said.add(old)
+                arg = new + arg[len(old) :]
+                break
+        out.append(arg)
+    return out
+
+
 def run_main(
     main: Callable[[list[str]], object],
     argv: Sequence[str] | None = None,

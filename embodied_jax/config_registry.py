@@ -11,7 +11,8 @@ saved as that registered base: its own fields only drive its launcher.
 Reading is strict: an unknown name, an unknown field or a missing field is a
 ``ConfigFormatError`` naming it with its path in the config. The one exception: a field a class
 gained after configs were saved, named in its ``ADDED_FIELDS`` (a tuple; the field has a
-default that keeps the old behaviour), takes that default when a saved config lacks it.
+default that keeps the old behaviour), takes that default when a saved config lacks it; and a
+field renamed since, named in its ``RENAMED_FIELDS`` (``{"old": "new"}``), reads from its old name.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def _decode(payload: Any, path: str) -> Any:
         if cls is None:
             raise ConfigFormatError(f"{path}: unknown config {name!r} (known: {', '.join(sorted(_REGISTRY))})")
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        renamed = getattr(cls, "RENAMED_FIELDS", {})
+        payload = {renamed.get(key, key): value for key, value in payload.items()}
         unknown = sorted(set(payload) - set(fields) - {"__config__"})
         if unknown:
             raise ConfigFormatError(f"{path}: {name} has no field {', '.join(map(repr, unknown))}")

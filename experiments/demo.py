@@ -214,14 +214,14 @@ def run_demo(config: DemoConfig) -> int:
                 config.task,
                 config.episodes,
                 dataset,
-                image_size=tuple(config.data.data.image_size),
+                image_size=tuple(config.data.pipeline.image_size),
                 noise=noise,
                 phase_in_state=config.evaluation.phase_in_state,  # the state the policy will be evaluated with
             )
     wall["collection"] = time.perf_counter() - t0
     tokenizer = build_demo_tokenizer(config, workdir)
     fitted = fit_to_task(config)
-    spec = fitted.data.data.spec
+    spec = fitted.data.pipeline.spec
     if config.delta_actions:
         from embodied_jax.sim.tasks import TASKS
 
@@ -231,7 +231,7 @@ def run_demo(config: DemoConfig) -> int:
         workdir=str(workdir),
         model=dataclasses.replace(fitted.model, tokenizer_path=str(tokenizer)),
         data=dataclasses.replace(
-            fitted.data, root=str(dataset), data=dataclasses.replace(fitted.data.data, sources=(), spec=spec)
+            fitted.data, root=str(dataset), pipeline=dataclasses.replace(fitted.data.pipeline, sources=(), spec=spec)
         ),
         evaluation=dataclasses.replace(config.evaluation, task=config.task),  # evaluate the task trained on
     )
@@ -318,7 +318,7 @@ def fit_to_task(config: DemoConfig) -> DemoConfig:
         data = dataclasses.replace(
             data,
             inputs=dataclasses.replace(data.inputs, cameras=cameras),
-            data=dataclasses.replace(data.data, spec=dataclasses.replace(data.data.spec, camera_keys=keys)),
+            pipeline=dataclasses.replace(data.pipeline, spec=dataclasses.replace(data.pipeline.spec, camera_keys=keys)),
         )
     if gr00t and "camera_names" in widths:  # the prompt's image blocks grow with the cameras
         blocks = dataclasses.replace(model, camera_names=widths["camera_names"], max_token_len=10**6)

@@ -17,7 +17,8 @@ import sys
 
 import tyro
 
-from embodied_jax.cli import INPUT_ERRORS, fail, parse_flags
+from embodied_jax.cli import INPUT_ERRORS, fail, parse_flags, renamed_flags
+from embodied_jax.data.sources import FLAG_RENAMES
 
 
 def parse(argv: list[str]):
@@ -30,7 +31,7 @@ def parse(argv: list[str]):
     return parse_flags(
         config_type,
         default=defaults[DEFAULT],
-        args=argv,
+        args=renamed_flags(argv, FLAG_RENAMES),
         prog="python -m experiments.launch",
         description=__doc__.split("\n\n")[0],
     )

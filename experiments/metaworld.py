@@ -77,7 +77,7 @@ def check_reuse(config: MetaWorldConfig, workdir: pathlib.Path) -> None:
 
     wanted = {
         "tasks": list(metaworld.parse_tasks(config.tasks)),
-        "image": list(config.data.data.image_size),
+        "image": list(config.data.pipeline.image_size),
         "protocol": "lerobot",
         "noise": config.collect_noise,
         "episodes": config.episodes,
@@ -159,7 +159,7 @@ def run_metaworld(config: MetaWorldConfig) -> int:
             names,
             config.episodes,
             dataset,
-            image_size=tuple(config.data.data.image_size),
+            image_size=tuple(config.data.pipeline.image_size),
             noise=config.collect_noise,
             prompts=config.prompts,
             render_style=config.evaluation.render_style,

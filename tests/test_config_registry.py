@@ -60,6 +60,20 @@ def test_fields_added_later_take_their_defaults_when_an_older_config_lacks_them(
         from_dict(saved)
 
 
+def test_a_renamed_field_reads_from_its_old_name_in_saved_configs_and_on_the_command_line(capsys):
+    from experiments.launch import parse
+
+    saved = _saved_demo()
+    pipeline = saved["config"]["data"].pop("pipeline")
+    saved["config"]["data"]["data"] = pipeline  # as runs saved before LeRobotData.data became .pipeline
+    assert from_dict(saved) == from_dict(_saved_demo())
+    config = parse(["demo", "--data.data.num-workers", "3", "--data.data.read-threads=2"])
+    assert config.data.pipeline.num_workers == 3 and config.data.pipeline.read_threads == 2
+    err = capsys.readouterr().err
+    assert err.count("--data.data.* is deprecated; it is now --data.pipeline.*") == 1
+    assert parse(["demo", "--data.pipeline.num-workers", "3"]).data.pipeline.num_workers == 3
+
+
 def test_unversioned_or_unregistered_configs_are_refused():
     with pytest.raises(ConfigFormatError, match="format_version"):
         from_dict({"__class__": "experiments.demo:DemoConfig"})  # the format before versioning

@@ -66,12 +66,12 @@ def good(tmp_path_factory):
 
 def test_fit_maps_the_dataset_cameras_onto_the_slots_in_order_and_logs_it(good, caplog):
     config = pi05_finetune_tiny()
-    assert config.data.inputs.cameras == () and config.data.data.spec.action_horizon is None
+    assert config.data.inputs.cameras == () and config.data.pipeline.spec.action_horizon is None
     with caplog.at_level(logging.INFO, logger="embodied_jax"):
         data, model = _on(config, good).data.fit(config.model)
     assert data.inputs.cameras == ((CAMERAS[0], "base_0_rgb"), (CAMERAS[1], "left_wrist_0_rgb"))
-    assert data.data.spec.camera_keys == CAMERAS  # only the mapped cameras are decoded
-    assert data.data.spec.action_horizon == model.action_horizon == config.model.action_horizon
+    assert data.pipeline.spec.camera_keys == CAMERAS  # only the mapped cameras are decoded
+    assert data.pipeline.spec.action_horizon == model.action_horizon == config.model.action_horizon
     assert model.action_dim == 4 and model.camera_names == config.model.camera_names
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cameras: ")]
     assert logged == [
@@ -94,7 +94,7 @@ def test_an_explicit_camera_mapping_is_kept(good, caplog):
     mapping = ((CAMERAS[1], "base_0_rgb"),)
     with caplog.at_level(logging.INFO, logger="embodied_jax"):
         data, _ = _on(config, good, inputs=ModelInputs(cameras=mapping)).data.fit(config.model)
-    assert data.inputs.cameras == mapping and data.data.spec.camera_keys == (CAMERAS[1],)
+    assert data.inputs.cameras == mapping and data.pipeline.spec.camera_keys == (CAMERAS[1],)
     assert not [r for r in caplog.records if r.getMessage().startswith("cameras: ")]
 
 
@@ -112,13 +112,14 @@ def test_the_data_follows_the_model_horizon_and_refuses_a_second_one(good):
     config = pi05_finetune_tiny()
     model = dataclasses.replace(config.model, action_horizon=5)
     data, _ = _on(config, good).data.fit(model)
-    assert data.data.spec.action_horizon == 5
+    assert data.pipeline.spec.action_horizon == 5
     data = _on(config, good).data
     both = dataclasses.replace(
-        data, data=dataclasses.replace(data.data, spec=dataclasses.replace(data.data.spec, action_horizon=6))
+        data,
+        pipeline=dataclasses.replace(data.pipeline, spec=dataclasses.replace(data.pipeline.spec, action_horizon=6)),
     )
     with pytest.raises(
-        DataConfigError, match="--data.data.spec.action-horizon 6 differs from --model.action-horizon 5"
+        DataConfigError, match="--data.pipeline.spec.action-horizon 6 differs from --model.action-horizon 5"
     ):
         both.fit(model)
 
@@ -126,19 +127,19 @@ def test_the_data_follows_the_model_horizon_and_refuses_a_second_one(good):
 def test_a_missing_state_feature_names_the_features_and_the_flag(good):
     config = pi05_finetune_tiny()
     data = _on(config, good).data
-    spec = dataclasses.replace(data.data.spec, state_keys=("observation.joints",))
+    spec = dataclasses.replace(data.pipeline.spec, state_keys=("observation.joints",))
     with pytest.raises(
         DatasetError, match=r"no state feature 'observation.joints'; the dataset has \['observation.state', 'action'\]"
     ) as error:
-        dataclasses.replace(data, data=dataclasses.replace(data.data, spec=spec)).fit(config.model)
-    assert "--data.data.spec.state-keys" in str(error.value)
+        dataclasses.replace(data, pipeline=dataclasses.replace(data.pipeline, spec=spec)).fit(config.model)
+    assert "--data.pipeline.spec.state-keys" in str(error.value)
 
 
 def test_prepare_resolves_everything_loading_needs(good, tokenizers):
     config = _on(pi05_finetune_tiny(), good)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, tokenizer_path=tokenizers["pi05"]))
     prepared = prepare(config)
-    assert prepared.data.inputs.cameras and prepared.data.data.spec.action_horizon == prepared.model.action_horizon
+    assert prepared.data.inputs.cameras and prepared.data.pipeline.spec.action_horizon == prepared.model.action_horizon
     assert prepare(prepared) == prepared  # a saved (prepared) config fits unchanged
 
 

@@ -29,7 +29,7 @@ def test_demo_defaults_are_relative_moves_and_the_phase_in_the_state(demo_run):
     from embodied_jax import load_policy
 
     bundle = load_policy(demo_run)
-    assert bundle.config.data.data.spec.delta_action_mask == (True, True, True, False)  # hand moves, absolute grip
+    assert bundle.config.data.pipeline.spec.delta_action_mask == (True, True, True, False)  # hand moves, absolute grip
     assert bundle.config.evaluation.phase_in_state and bundle.state_dim == 5  # x, y, z, grip, phase
 
 
@@ -56,7 +56,7 @@ def test_policy_bundle_predicts_unnormalised_actions(demo_run):
     # range of the data's (relative) actions, which the statistics describe.
     stats = bundle.stats["action"]
     span = np.asarray(stats.max) - np.asarray(stats.min)
-    mask = np.asarray(bundle.config.data.data.spec.delta_action_mask)
+    mask = np.asarray(bundle.config.data.pipeline.spec.delta_action_mask)
     relative = actions[0] - np.where(mask, raw["observation.state"][0, :4], 0.0)
     assert (relative >= np.asarray(stats.min) - 2 * span).all() and (relative <= np.asarray(stats.max) + 2 * span).all()
     assert np.abs(actions[0, :, :3] - raw["observation.state"][0, :3]).max() < 0.2  # near the hand, not the origin
@@ -86,7 +86,7 @@ def test_serving_applies_the_pipelines_sample_transform(demo_run):
     bundle = load_policy(demo_run)
     data = bundle.config.data
     samples, _, _ = build_dataset(
-        dataclasses.replace(data.data, sources=data.sources),
+        dataclasses.replace(data.pipeline, sources=data.sources),
         process_index=0,
         process_count=1,
         seed=0,
@@ -98,7 +98,7 @@ def test_serving_applies_the_pipelines_sample_transform(demo_run):
     order = grain.MapDataset.range(dataset.num_frames).shuffle(seed=0)  # the pipeline's order of its one source
     for record in (0, 5):
         trained = samples[record]
-        raw = SampleLoader(dataset, data.data.spec)(order[record])
+        raw = SampleLoader(dataset, data.pipeline.spec)(order[record])
         served = bundle.preprocess(_raw_observation(raw))
         assert set(served) == set(trained) - {"actions", "action_dim_mask"}
         for key, value in served.items():
@@ -235,7 +235,7 @@ def test_gr00t_demo_prompts_tokenize_without_unknown_words(tmp_path):
         assert (ids != 0).all(), task.name  # id 0 is [UNK]
         assert (ids == model.image_token_id).sum() == len(GR00T_CAMERAS) * model.vision.num_patches
     # The demo's measured best (docs/manipulation.md): quantiles, and no dropout when training from scratch.
-    assert config.data.data.norm_modes == (("observation.state", "quantile"), ("action", "quantile"))
+    assert config.data.pipeline.norm_modes == (("observation.state", "quantile"), ("action", "quantile"))
     assert config.model.action_head.dit.dropout == 0 and config.model.action_head.vl_self_attention.dropout == 0
     assert config.tokenizer == "qwen3_words"
     with pytest.raises(ValueError, match="arch"):
@@ -280,7 +280,7 @@ def test_the_demo_fits_its_model_to_the_task(arch):
         "observation.images.wrist_left",
         "observation.images.wrist_right",
     ]
-    assert handover.data.data.spec.camera_keys == tuple(k for k, _ in handover.data.inputs.cameras)
+    assert handover.data.pipeline.spec.camera_keys == tuple(k for k, _ in handover.data.inputs.cameras)
     assert handover.train.steps == round(1.5 * base.train.steps)
     if arch == "pi05":
         assert model.max_action_dim == 8 and model.max_token_len == base.model.max_token_len + 1

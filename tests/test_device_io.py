@@ -39,12 +39,14 @@ def _stats(width: int, seed: int) -> dict:
 
 def _bundle(arch: str, norm: str, delta: bool, tokenizer) -> PolicyBundle:
     config = demo.fit_to_task(demo.demo_config(image_size=IMAGE, arch=arch))
-    spec = config.data.data.spec
+    spec = config.data.pipeline.spec
     if delta:
         spec = dataclasses.replace(spec, delta_action_mask=tuple(bool(m) for m in TASK.position_mask()))
-    data = dataclasses.replace(config.data.data, spec=spec, norm_modes=(("observation.state", norm), ("action", norm)))
+    data = dataclasses.replace(
+        config.data.pipeline, spec=spec, norm_modes=(("observation.state", norm), ("action", norm))
+    )
     model = dataclasses.replace(config.model, tokenizer_path=str(tokenizer))
-    config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, data=data))
+    config = dataclasses.replace(config, model=model, data=dataclasses.replace(config.data, pipeline=data))
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: model.make(nnx.Rngs(0)))
     task = TASK()
@@ -88,7 +90,7 @@ def _observation(bundle, seed: int = 0) -> tuple[np.ndarray, dict[str, np.ndarra
     rng = np.random.default_rng(seed)
     stats = bundle.stats[bundle.inputs.state_key]
     width = len(stats.mean)
-    mode = dict(bundle.config.data.data.norm_modes)[bundle.inputs.state_key]
+    mode = dict(bundle.config.data.pipeline.norm_modes)[bundle.inputs.state_key]
     inside = unnormalize(rng.uniform(-1, 1, (2, width)), stats, mode)
     beyond = stats.mean + stats.std * rng.choice([-1, 1], (2, width)) * rng.uniform(3, 30, (2, width))
     edges = np.linspace(-1, 1, 257)[:-1][rng.integers(0, 256, (2, width))]  # the bins' edges, normalised

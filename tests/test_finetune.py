@@ -77,10 +77,10 @@ def _finetune(base, model, dataset, workdir, init_from):
         data=dataclasses.replace(
             data,
             root=str(dataset),  # --data.root
-            data=dataclasses.replace(
-                data.data,
+            pipeline=dataclasses.replace(
+                data.pipeline,
                 image_size=(IMAGE, IMAGE),
-                spec=dataclasses.replace(data.data.spec, action_horizon=HORIZON),
+                spec=dataclasses.replace(data.pipeline.spec, action_horizon=HORIZON),
             ),
         ),
         train=TrainConfig(steps=2, batch_size=8, log_every=1),

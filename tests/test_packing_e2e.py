@@ -52,7 +52,7 @@ def _setup(arch, root):
         tokenizer = demo.build_tokenizer(root / "tokenizer.model", vocab_size=config.model.vocab_size)
         model = dataclasses.replace(config.model, tokenizer_path=str(tokenizer), flow_samples_per_obs=1)
     data = dataclasses.replace(
-        config.data, data=dataclasses.replace(config.data.data, sources=(SourceConfig(str(root / "dataset")),))
+        config.data, pipeline=dataclasses.replace(config.data.pipeline, sources=(SourceConfig(str(root / "dataset")),))
     )
     return model, data
 

@@ -51,7 +51,7 @@ def test_collected_dataset_has_the_hub_datasets_features_shapes_dtypes_and_fps(c
     # The environment state is data only: a Meta-World run reads the image, the 4-D state and the actions.
     from experiments.metaworld import metaworld_config
 
-    spec = metaworld_config().data.data.spec
+    spec = metaworld_config().data.pipeline.spec
     read = {*spec.state_keys, *spec.action_keys, *spec.extra_keys, *spec.camera_keys}
     assert read == {metaworld.STATE_KEY, metaworld.ACTION_KEY, metaworld.IMAGE_KEY}
 

@@ -353,7 +353,7 @@ def test_cli_shortcuts_reach_the_nested_fields(capsys):
         ]
     )
     assert config.data.root == "/data/libero"
-    assert [s.root for s in config.data.sources] == ["/data/libero"] and config.data.data.sources == ()
+    assert [s.root for s in config.data.sources] == ["/data/libero"] and config.data.pipeline.sources == ()
     assert (config.distributed.coordinator, config.distributed.num_processes, config.distributed.process_id) == (
         "10.0.0.1:1234",
         2,

@@ -66,7 +66,7 @@ class PolicyBundle:
         self.stats = {k: FeatureStats.from_json(v, key=k) for k, v in (norm_stats or {}).items()}
         self.transform = config.data.serving_transform(config.model, self.stats)
         self.inputs = self.transform.inputs
-        data = config.data.data
+        data = config.data.pipeline
         modes = dict(data.norm_modes)
         check_finite_stats(self.stats, modes)
         self._unnormalizer = Normalizer(self.stats, modes) if modes else None

@@ -26,7 +26,7 @@ import abc
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -81,25 +81,33 @@ class DataSource(abc.ABC):
         )
 
 
+# Command-line spellings of renamed fields, still accepted with a deprecation message (``cli.renamed_flags``).
+FLAG_RENAMES = (("--data.data.", "--data.pipeline."),)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class LeRobotData(DataSource):
-    data: DataConfig = DataConfig(sources=())
+    # How the datasets are read into samples (sources, sample spec, image size, normalisation, workers):
+    # ``--data.pipeline.*``; saved configs and command lines of the old name ``data`` still read.
+    pipeline: DataConfig = DataConfig(sources=())
     inputs: ModelInputs = ModelInputs()
     packing: PackingConfig = PackingConfig()
-    root: str | None = None  # one dataset directory: shorthand for data.sources = (SourceConfig(root),)
+    root: str | None = None  # one dataset directory: shorthand for pipeline.sources = (SourceConfig(root),)
+
+    RENAMED_FIELDS: ClassVar[dict[str, str]] = {"data": "pipeline"}  # runs saved before the rename
 
     def __post_init__(self):
-        if self.root is not None and self.data.sources:
+        if self.root is not None and self.pipeline.sources:
             raise ValueError(
-                f"LeRobotData: give either root={self.root!r} (--data.root) or data.sources "
-                f"({len(self.data.sources)} sources), not both"
+                f"LeRobotData: give either root={self.root!r} (--data.root) or pipeline.sources "
+                f"({len(self.pipeline.sources)} sources), not both"
             )
 
     @property
     def sources(self) -> tuple[SourceConfig, ...]:
-        """The datasets read: ``(SourceConfig(root),)`` or ``data.sources``."""
-        return (SourceConfig(self.root),) if self.root is not None else self.data.sources
+        """The datasets read: ``(SourceConfig(root),)`` or ``pipeline.sources``."""
+        return (SourceConfig(self.root),) if self.root is not None else self.pipeline.sources
 
     def fit(self, model: PolicyConfig) -> tuple[LeRobotData, PolicyConfig]:
         if not self.sources:
@@ -108,8 +116,8 @@ class LeRobotData(DataSource):
         root = self.sources[0].root
         meta = DatasetMeta.read(root)
         for what, key, flag in (
-            ("state", data.inputs.state_key, "--data.data.spec.state-keys"),
-            ("action", data.inputs.action_key, "--data.data.spec.action-keys"),
+            ("state", data.inputs.state_key, "--data.pipeline.spec.state-keys"),
+            ("action", data.inputs.action_key, "--data.pipeline.spec.action-keys"),
         ):
             if key not in meta.features:
                 raise DatasetError(
@@ -124,7 +132,7 @@ class LeRobotData(DataSource):
             state_dim=meta.width(data.inputs.state_key),
             action_dim=meta.width(data.inputs.action_key),
             fps=meta.fps,
-            modality=data.data.spec.use_modality and meta.modality is not None,
+            modality=data.pipeline.spec.use_modality and meta.modality is not None,
         )
         fitted = _fit_model(model, features, root)
         cameras = data.inputs.cameras
@@ -138,7 +146,7 @@ class LeRobotData(DataSource):
             cameras = tuple(zip(keys, fitted.camera_names[: len(keys)], strict=True))
             mapping = ", ".join(f"{key} -> {slot}" for key, slot in cameras)
             log.info("cameras: %s (override with %s)", mapping or "none", CAMERAS_FLAG)
-        spec = data.data.spec
+        spec = data.pipeline.spec
         spec = dataclasses.replace(
             spec,
             action_horizon=data._horizon(fitted),
@@ -146,15 +154,15 @@ class LeRobotData(DataSource):
         )
         fitted_data = dataclasses.replace(
             data,
-            data=dataclasses.replace(data.data, spec=spec),
+            pipeline=dataclasses.replace(data.pipeline, spec=spec),
             inputs=dataclasses.replace(data.inputs, cameras=cameras),
         )
         return fitted_data, fitted
 
     def _following_spec_keys(self) -> LeRobotData:
-        """A single ``--data.data.spec.state-keys`` / ``action-keys`` key also becomes the key the
+        """A single ``--data.pipeline.spec.state-keys`` / ``action-keys`` key also becomes the key the
         model reads and the key normalised."""
-        spec, inputs = self.data.spec, self.inputs
+        spec, inputs = self.pipeline.spec, self.inputs
         renamed = {}
         if len(spec.state_keys) == 1 and spec.state_keys[0] != inputs.state_key:
             renamed[inputs.state_key] = spec.state_keys[0]
@@ -167,13 +175,15 @@ class LeRobotData(DataSource):
             state_key=renamed.get(inputs.state_key, inputs.state_key),
             action_key=renamed.get(inputs.action_key, inputs.action_key),
         )
-        norm_modes = tuple((renamed.get(key, key), mode) for key, mode in self.data.norm_modes)
-        return dataclasses.replace(self, data=dataclasses.replace(self.data, norm_modes=norm_modes), inputs=inputs)
+        norm_modes = tuple((renamed.get(key, key), mode) for key, mode in self.pipeline.norm_modes)
+        return dataclasses.replace(
+            self, pipeline=dataclasses.replace(self.pipeline, norm_modes=norm_modes), inputs=inputs
+        )
 
     def _camera_keys(self, meta: DatasetMeta) -> tuple[str, ...]:
         """The cameras read: the mapping's, ``spec.camera_keys``, modality.json's videos (when read)
         or every camera of info.json, in that order of precedence."""
-        spec = self.data.spec
+        spec = self.pipeline.spec
         if self.inputs.cameras:
             return self.inputs.camera_keys
         if spec.camera_keys is not None:
@@ -185,29 +195,29 @@ class LeRobotData(DataSource):
     def _camera_names(self, meta: DatasetMeta, keys: tuple[str, ...]) -> tuple[str, ...] | None:
         if self.inputs.cameras:
             return tuple(slot for _, slot in self.inputs.cameras)
-        if not (self.data.spec.use_modality and meta.modality is not None):
+        if not (self.pipeline.spec.use_modality and meta.modality is not None):
             return None
         by_key = {key: name for name, key in meta.modality.video.items()}
         return tuple(by_key[k] for k in keys) if all(k in by_key for k in keys) else None
 
     def _horizon(self, model: PolicyConfig) -> int:
         """The action horizon of the samples: the model's (one flag, ``--model.action-horizon``)."""
-        ours, models = self.data.spec.action_horizon, model.action_horizon
+        ours, models = self.pipeline.spec.action_horizon, model.action_horizon
         if ours is None:
             if not models:
                 raise DataConfigError(
-                    f"{type(model).__name__} names no action horizon: set --data.data.spec.action-horizon N"
+                    f"{type(model).__name__} names no action horizon: set --data.pipeline.spec.action-horizon N"
                 )
             return models
         if models and ours != models:
             raise DataConfigError(
-                f"--data.data.spec.action-horizon {ours} differs from --model.action-horizon {models}: "
+                f"--data.pipeline.spec.action-horizon {ours} differs from --model.action-horizon {models}: "
                 "set only --model.action-horizon (the data follows the model)"
             )
         return ours
 
     def check(self, model: PolicyConfig) -> None:
-        spec, inputs = self.data.spec, self.inputs
+        spec, inputs = self.pipeline.spec, self.inputs
         slots = [slot for _, slot in inputs.cameras]
         for key, slot in inputs.cameras:
             if slot not in model.camera_names:
@@ -222,11 +232,11 @@ class LeRobotData(DataSource):
             if key not in loaded:
                 raise DataConfigError(
                     f"--data.inputs.{flag} {key!r} is not among the features the samples hold {list(loaded)} "
-                    "(--data.data.spec.state-keys / --data.data.spec.action-keys)"
+                    "(--data.pipeline.spec.state-keys / --data.pipeline.spec.action-keys)"
                 )
         for source in self.sources:
             where = source.frame_store or source.root
-            frames = open_source(source, self.data)  # tables and metadata; no video is decoded
+            frames = open_source(source, self.pipeline)  # tables and metadata; no video is decoded
             for key, slot in inputs.cameras:
                 if key not in frames.camera_keys:
                     raise DatasetError(
@@ -243,7 +253,7 @@ class LeRobotData(DataSource):
             if undecoded:
                 raise DataConfigError(
                     f"cameras {undecoded} are mapped (--data.inputs.cameras) but not decoded "
-                    f"(--data.data.spec.camera-keys {list(loader.cameras)})"
+                    f"(--data.pipeline.spec.camera-keys {list(loader.cameras)})"
                 )
             features = DatasetFeatures(
                 camera_keys=inputs.camera_keys,
@@ -260,9 +270,9 @@ class LeRobotData(DataSource):
     def make_iterator(
         self, *, model: PolicyConfig, process_index: int, process_count: int, batch_size: int, seed: int
     ) -> BatchIterator:
-        if self.data.spec.action_horizon is None:
+        if self.pipeline.spec.action_horizon is None:
             raise DataConfigError(
-                "data.data.spec.action_horizon is unset: fit the data to its model first (LeRobotData.fit; "
+                "data.pipeline.spec.action_horizon is unset: fit the data to its model first (LeRobotData.fit; "
                 "a training run does, train.loop.prepare)"
             )
         if batch_size % process_count:
@@ -274,7 +284,7 @@ class LeRobotData(DataSource):
         else:
             builder = model.input_builder()
         return make_data_iterator(
-            dataclasses.replace(self.data, sources=self.sources),
+            dataclasses.replace(self.pipeline, sources=self.sources),
             process_index=process_index,
             process_count=process_count,
             batch_size=batch_size // process_count,
@@ -285,7 +295,7 @@ class LeRobotData(DataSource):
         )
 
     def serving_transform(self, model: PolicyConfig, stats: Mapping[str, FeatureStats] | None) -> SampleTransform:
-        return self.data.sample_transform(
+        return self.pipeline.sample_transform(
             stats, self.inputs.camera_keys, inputs=self.inputs, builder=model.input_builder(), training=False
         )
 

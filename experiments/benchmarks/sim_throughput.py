@@ -208,7 +208,7 @@ def main(argv=None) -> dict:
         from embodied_jax import load_policy
 
         bundle = load_policy(args.policy)
-        image_size = bundle.config.data.data.image_size[0]
+        image_size = bundle.config.data.pipeline.image_size[0]
     policy = "trivial stand-in" if bundle is None else f"{type(bundle.config.model).__name__} from {args.policy}"
     print(f"devices: {jax.devices()}  task: {args.task}  image {image_size}^2  policy: {policy}")
 
