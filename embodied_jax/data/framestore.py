@@ -275,14 +275,6 @@ class FrameStore(EpisodeTable):
                 f"corrupted or unreadable chunk ({exc})"
             ) from exc
 
-    def frame(self, position: int, frame_index: int) -> dict[str, Any]:
-        row = self.episode_starts[position] + frame_index
-        out: dict[str, Any] = {key: self.arrays[key][row] for key in self.arrays}
-        for key in self.camera_keys:
-            out[key] = self.images(position, key, [frame_index])[0]
-        out["task"] = self.task(position, frame_index)
-        return out
-
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_stores"] = {}

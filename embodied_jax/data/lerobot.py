@@ -286,20 +286,6 @@ class LeRobotDataset(EpisodeTable):
                 self._image_columns.popitem(last=False)
             return column
 
-    def frame(self, position: int, frame_index: int) -> dict[str, Any]:
-        """One frame's raw values: every feature under its dataset key, cameras uint8 HWC, task string."""
-        if not 0 <= frame_index < self.episode_lengths[position]:
-            raise IndexError(
-                f"frame {frame_index} outside episode {self.episode_indices[position]} "
-                f"(length {self.episode_lengths[position]})"
-            )
-        row = self.episode_starts[position] + frame_index
-        out: dict[str, Any] = {key: self.arrays[key][row] for key in self.arrays}
-        for key in self.camera_keys:
-            out[key] = self.images(position, key, [frame_index])[0]
-        out["task"] = self.task(position, frame_index)
-        return out
-
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_video_cache"] = video.VideoFileCache(self._video_cache.capacity)
