@@ -427,15 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-RECORDED = ("task", "success_rate", "success_ci95", "episodes", "mean_episode_length", "step", "seed")
-RECORDED_METAWORLD = ("group_average", "mean_task_success", "per_difficulty")
-
-
 def record(metrics: dict[str, Any], bundle: PolicyBundle, args: argparse.Namespace, argv, seconds: float):
     """Append the evaluation's row (``embodied_jax/records.py``) to ``<results>/evaluate.jsonl``."""
-    result = {k: metrics[k] for k in (*RECORDED, *RECORDED_METAWORLD) if k in metrics}
-    if "per_task" in metrics:
-        result["per_task"] = {t: e["success_rate"] for t, e in metrics["per_task"].items()}
+    result = records.closed_loop_result(metrics)
     root = pathlib.Path.cwd()
     entry = records.row(
         "evaluate",

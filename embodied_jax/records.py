@@ -108,3 +108,15 @@ def append(entry: Mapping[str, Any], results: str | os.PathLike) -> pathlib.Path
     with path.open("a") as f:
         f.write(json.dumps(entry, default=float) + "\n")
     return path
+
+
+def closed_loop_result(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures a row keeps of one closed-loop evaluation (built-in task or Meta-World): task,
+    success with its interval, episodes, episode length, step and seed; Meta-World's groups, their
+    average and each task's rate when present."""
+    keys = ("task", "success_rate", "success_ci95", "episodes", "mean_episode_length", "step", "seed")
+    keys += ("group_average", "mean_task_success", "per_difficulty")
+    out = {k: metrics[k] for k in keys if k in metrics}
+    if "per_task" in metrics:
+        out["per_task"] = {task: entry["success_rate"] for task, entry in metrics["per_task"].items()}
+    return out

@@ -58,7 +58,4 @@ def save(row: Mapping[str, Any]) -> str:
     return f"recorded: {append(row)}" + ("" if row["clean"] else " (uncommitted changes: marked dirty)")
 
 
-def closed_loop_result(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The figures a row keeps of one built-in task's closed-loop evaluation (``evaluate_policy``)."""
-    keys = ("task", "success_rate", "success_ci95", "episodes", "mean_episode_length", "step", "seed")
-    return {k: metrics[k] for k in keys if k in metrics}
+closed_loop_result = records.closed_loop_result

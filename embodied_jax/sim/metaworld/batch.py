@@ -40,6 +40,7 @@ class MetaWorldBatch:
         ]
         self.row_task = [task for task in self.tasks for _ in range(envs_per_task)]
         self.instructions = tuple(env.instruction for env in self.envs[::envs_per_task])  # one per task
+        self._task_index = np.repeat(np.arange(len(self.tasks), dtype=np.int32), envs_per_task)
         self.num_envs, self.episode_limit = len(self.envs), int(limit)
         if self.episode_limit > self.envs[0].max_path_length:
             raise ValueError(f"limit={limit}: Meta-World ends its episodes at {self.envs[0].max_path_length} steps")
@@ -65,8 +66,7 @@ class MetaWorldBatch:
             if self._frames[row] is None or not self.done[row]:
                 self._frames[row] = env.render()
         state = np.stack([env.state() for env in self.envs])
-        task_index = np.asarray([self.tasks.index(t) for t in self.row_task], np.int32)
-        return {"state": state, "images": {self.camera: np.stack(self._frames)}, "task_index": task_index}
+        return {"state": state, "images": {self.camera: np.stack(self._frames)}, "task_index": self._task_index}
 
     def privileged_state(self) -> np.ndarray:
         """float32 [B, 39]: Meta-World's whole observation (objects' and goal's poses among it)."""
