@@ -9,6 +9,11 @@ A family ships two classes (DESIGN.md, "Contracts"):
 - a ``Policy``: the ``nnx.Module`` it builds, with ``loss``, ``sample_actions`` and
   ``chain_log_prob`` (the likelihood of a Flow-SDE sample, for reinforcement learning).
 
+Its input builder (host, NumPy, one sample) may also have an in-program form
+(``InProgramBuilder.in_program``): the same inputs as jnp for one row inside a jitted program,
+given the run's per-sample transform before the builder (``RowTransform``). Rollouts in one
+program (``bundle/device_io.py``) call it; no code outside the family knows its layout.
+
 Before a run on a dataset the data source fits the config to the dataset's metadata
 (``fit_to_dataset`` with ``DatasetFeatures``: cameras, state and action widths), so the
 saved config is the one that trained and loading a policy never needs the dataset.
@@ -22,14 +27,67 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
+import numpy as np
 from flax import nnx
 
 Batch = dict[str, Any]
 InputBuilder = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class RowTransform(Protocol):
+    """The run's per-sample transform before the model's builder (normalise, images, rename), on
+    one row: what a family's in-program form builds on (``bundle/front.py`` implements it)."""
+
+    state_key: str  # the dataset key of the state
+    state_dim: int | None  # the run's state width (None: not fixed)
+    cameras: tuple[tuple[str, str], ...]  # (dataset key, model slot) of each camera the run reads
+
+    def state(self, state: jax.Array) -> jax.Array:
+        """One raw state [S] normalised as the host normalises it (jnp, float32)."""
+        ...
+
+    def images(self, images: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """{dataset key: uint8 [H, W, 3]} -> {model slot: image} as the host's transform gives them."""
+        ...
+
+    def host_state(self, state: np.ndarray) -> np.ndarray:
+        """One raw state normalised on the host (NumPy), as the bundle's transform does."""
+        ...
+
+    def host_raw_state(self, normalised: np.ndarray) -> np.ndarray:
+        """A raw state whose normalisation is about ``normalised`` (probe states)."""
+        ...
+
+    def thresholds(self, edges: np.ndarray) -> np.ndarray:
+        """[S, K] float32: per state dimension, the smallest raw value whose host normalisation is
+        >= ``edges[k]`` (NaN: none); [1, K] when the state is not normalised."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class InProgramInputs:
+    """A family's input builder for one instruction as jnp: ``row(raw_state [S], images {dataset
+    key: uint8 [H, W, 3]})`` gives one row of the observation the host builder gives (keys, shapes,
+    dtypes; tokens exactly), vmappable; ``host_tokens(raw_states [..., S])``, when set, gives the
+    prompt's ``(tokens, token_mask)`` from the host (``jax.pure_callback``) instead of ``row``."""
+
+    row: Callable[[jax.Array, Mapping[str, jax.Array]], dict[str, jax.Array]]
+    host_tokens: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
+
+
+@runtime_checkable
+class InProgramBuilder(Protocol):
+    """An input builder with an in-program form (both families' builders)."""
+
+    def in_program(self, instruction: str, front: RowTransform) -> InProgramInputs:
+        """The builder's inputs for ``instruction`` as jnp (``InProgramInputs``); everything constant
+        for the instruction made here, once, on the host. A run the form cannot express is a
+        ``errors.DeviceIOError`` naming what is missing."""
+        ...
 
 
 @runtime_checkable

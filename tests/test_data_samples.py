@@ -20,7 +20,7 @@ from embodied_jax.data.stats import (
 from embodied_jax.data.synthetic import decode_frame_id, make_episodes
 from embodied_jax.data.transforms import AugmentConfig, ImageTransform
 from embodied_jax.data.writer import write_lerobot_dataset
-from embodied_jax.nn.image import resize_with_pad, to_unit_range
+from embodied_jax.images import resize_with_pad, to_unit_range
 
 FPS = 10
 

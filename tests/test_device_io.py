@@ -162,7 +162,7 @@ def test_a_tokenizer_merging_across_the_prompt_pieces_falls_back_to_the_host(tok
     unknown words into one <unk>, so a mean_std run's states below the range (bin -1) do not
     tokenise piece by piece; the tokens come from the host and still equal preprocess's."""
     bundle = _bundle("pi05", "mean_std", False, tokenizers["pi05"])
-    with caplog.at_level(logging.WARNING, logger="embodied_jax.bundle.device_io"):
+    with caplog.at_level(logging.WARNING, logger="embodied_jax.models.pi05.inputs"):
         io = device_io(bundle, TASK.instruction)
     assert io.host_tokens is True
     assert "jax.pure_callback" in caplog.text and "merges text across" in caplog.text

@@ -1,5 +1,5 @@
 """Dense/Einsum, norms, RoPE, MLPs, embeddings and LoRA vs NumPy formulas; fsdp-sharded jit; image
-preprocessing (nn.image) and modules in raw JAX loops (nn.traced) vs the forms they replaced."""
+preprocessing (embodied_jax.images) and modules in raw JAX loops (nn.traced) vs the forms they replaced."""
 
 import math
 import re
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import embodied_jax.images as image
 from embodied_jax.nn import dense as dense_module
-from embodied_jax.nn import embeddings, image, lora, mlp, norms, rope, traced
+from embodied_jax.nn import embeddings, lora, mlp, norms, rope, traced
 from embodied_jax.nn.dense import Dense, Einsum
 from embodied_jax.parallel import hlo
 from embodied_jax.parallel.mesh import MeshConfig, make_mesh
@@ -317,10 +318,10 @@ def test_gated_mlp_jit_on_sharded_mesh(sizes):
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- nn.image
+# ----------------------------------------------------------------------------- images
 
 
-def _old_pi05_resize_with_pad(img, size):  # models/pi05/inputs.py before nn.image (float, floor, pad -1)
+def _old_pi05_resize_with_pad(img, size):  # models/pi05/inputs.py before images.py (float, floor, pad -1)
     from PIL import Image
 
     height, width = size
@@ -339,7 +340,7 @@ def _old_pi05_resize_with_pad(img, size):  # models/pi05/inputs.py before nn.ima
     return out
 
 
-def _old_data_resize_with_pad(img, height, width):  # data/transforms.py before nn.image (uint8, round, pad 0)
+def _old_data_resize_with_pad(img, height, width):  # data/transforms.py before images.py (uint8, round, pad 0)
     in_h, in_w = img.shape[:2]
     if (in_h, in_w) == (height, width):
         return img

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from embodied_jax.images import resize_with_pad
 from embodied_jax.models.pi05.inputs import Pi05InputBuilder, build_prompt, discretize_state
 from embodied_jax.models.tokenizer import JsonTokenizer, SentencePieceTokenizer, load_tokenizer, train_sentencepiece
-from embodied_jax.nn.image import resize_with_pad
 
 CORPUS = [
     "Task: pick up the red cube, State: 0 12 128 255 64 3;\nAction: ",

@@ -5,26 +5,16 @@ jitted program (reinforcement-learning rollouts) with no host round trip per ste
 request goes through on the host (``PolicyBundle.preprocess(raw, resize=True)`` and
 ``postprocess``): the run's per-sample transform (``data/sample_transform.py``: the state
 normalised with ``data.stats.normalize(..., xp=jnp)``, images to [-1, 1] with
-``nn.image.to_unit_range(..., xp=jnp)``, renamed) and the model's input builder, for one
+``images.to_unit_range(..., xp=jnp)``, renamed) and the model's input builder, for one
 instruction; actions back through ``data.stats.unnormalize`` and ``data.samples.to_absolute_actions``
-(``xp=jnp``). Everything constant for the instruction is made once on the host here: GR00T's
-Eagle prompt tokens; π0.5's prompt around its discretised state (``bundle/pi05_prompt.py``): its fixed
-head and, for every state bin, that bin's tokens (between bins, and as the last one with the
-prompt's tail), assembled per row in the program (a fixed-size gather compacted with a
-cumulative sum, truncated and padded to ``max_token_len`` as the host does), the bins counted
-against per-dimension thresholds on the raw state that reproduce the host's float64
-normalisation exactly. That assembly is checked here against the builder's own tokens for probe
-states (normalised to every bin 0, every bin 255, every bin -1, a random mix; values on and just
-below bin edges); a tokenizer that merges text across those pieces (SentencePiece joins
-consecutive unknown words into one ``<unk>``) fails the check, and then the tokens alone come
-from the host through ``jax.pure_callback`` (a logged warning; ``DeviceIO.host_tokens``).
-
-``bundle`` may not import ``models``: the builders are reached through the bundle's transform,
-each family's form below follows its builder (``models/pi05/inputs.py``,
-``models/gr00t/inputs.py``), and the probe check guards π0.5's copy of the prompt's layout.
+(``xp=jnp``). The model's part is its family's: the builder's in-program form
+(``policy.InProgramBuilder.in_program``, in ``models/<family>/inputs.py``), given the transform's
+front (``bundle/front.py``); this module knows no family. π0.5's form may take its prompt tokens
+from the host (``jax.pure_callback``; ``DeviceIO.host_tokens``) when its tokenizer merges text
+across the prompt's pieces.
 
 Not expressible, a ``DeviceIOError`` (an ``InputError``) naming what is missing, when
-``device_io`` is built or its functions traced: another input builder, statistics missing for a
+``device_io`` is built or its functions traced: a builder without an in-program form, statistics missing for a
 normalised key, images of another size than the run's (the host resizes through swscale, which
 no jnp resize reproduces: render at the run's image size), float images (``ObservationError``).
 """
@@ -32,26 +22,21 @@ no jnp resize reproduces: render at the run's image size), float images (``Obser
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from embodied_jax.bundle.front import DeviceIOError, Front
-from embodied_jax.bundle.observation import ObservationError
-from embodied_jax.bundle.pi05_prompt import Pi05Prompt, host_prompt_tokens, pad_state
+from embodied_jax.bundle.front import Front
 from embodied_jax.bundle.sim_adapter import model_actions_fn
 from embodied_jax.data.samples import to_absolute_actions
 from embodied_jax.data.stats import unnormalize
-from embodied_jax.nn.image import to_unit_range
+from embodied_jax.errors import DeviceIOError, ObservationError
+from embodied_jax.policy import InProgramBuilder
 
 if TYPE_CHECKING:
     from embodied_jax.bundle.policy import PolicyBundle
-
-log = logging.getLogger(__name__)
 
 Observe = Callable[..., dict[str, Any]]
 ActionsFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -72,8 +57,8 @@ class DeviceIO:
     - ``to_model(robot_actions [B, H, A], state [B, S])``: robot actions in the model's action
       space (``sim_adapter.model_actions_fn``: what real-time chunking guides with).
 
-    ``host_tokens``: π0.5's prompt tokens come from the host (``jax.pure_callback``) because the
-    tokenizer merges across the prompt's pieces (the module docstring)."""
+    ``host_tokens``: the prompt's tokens come from the host (``jax.pure_callback``): the family's
+    form could not assemble them in the program (the module docstring)."""
 
     observe: Observe
     act: ActionsFn
@@ -96,18 +81,17 @@ def device_io(bundle: PolicyBundle, instruction: str, camera_keys: Mapping[str, 
     if transform.images.augment is not None:
         raise DeviceIOError("the bundle's transform augments images (a training transform): nothing to serve")
     builder = transform.builder
-    form = _FORMS.get(type(builder).__name__)
-    if form is None:
+    if not isinstance(builder, InProgramBuilder):
         raise DeviceIOError(
-            f"no in-program form of the input builder {type(builder).__name__}: device_io knows "
-            f"{sorted(_FORMS)} (the π0.5 and GR00T builders)"
+            f"no in-program form of the input builder {type(builder).__name__}: its family's builder "
+            "defines no in_program (policy.InProgramBuilder)"
         )
     if getattr(builder, "packed", False):
         raise DeviceIOError(f"{type(builder).__name__} builds packed samples: the bundle's builder must be unpacked")
     front = Front.of(bundle)
-    row, host_tokens = form(builder, instruction, front)
-    observe = _observe(front, row, host_tokens, dict(camera_keys or {}))
-    return DeviceIO(observe, _act_fn(bundle), model_actions_fn(bundle), host_tokens is not None)
+    form = builder.in_program(instruction, front)
+    observe = _observe(front, form.row, form.host_tokens, dict(camera_keys or {}))
+    return DeviceIO(observe, _act_fn(bundle), model_actions_fn(bundle), form.host_tokens is not None)
 
 
 # ----------------------------------------------------------------------------- the per-sample transform
@@ -179,82 +163,3 @@ def _act_fn(bundle: PolicyBundle) -> ActionsFn:
         return jax.vmap(one)(actions, state).astype(jnp.float32)
 
     return act
-
-
-# ----------------------------------------------------------------------------- the families' builders
-
-
-def _check_size(slot: str, image: jax.Array, size: tuple[int, int] | None, builder: str) -> None:
-    if size is not None and tuple(image.shape[:2]) != tuple(size):
-        raise DeviceIOError(
-            f"camera slot {slot!r}: images of {image.shape[0]}x{image.shape[1]} reach the {builder} builder, "
-            f"which takes {size[0]}x{size[1]} (it would resize on the host): set the data's image_size to "
-            "the model's"
-        )
-
-
-def _gr00t(builder, instruction: str, front: Front):
-    """GR00T (``Gr00tInputBuilder``): the prompt is fixed per instruction; state padded; every
-    camera present; images as the data layer made them."""
-    slots = [slot for _, slot in front.cameras]
-    lacking = [c for c in builder.camera_names if c not in slots]
-    if lacking:
-        raise DeviceIOError(
-            f"GR00T reads cameras {list(builder.camera_names)}; the run's inputs give none for {lacking}"
-        )
-    tokens, token_mask = builder.tokenize(instruction)  # PromptError names a task it cannot take
-    tokens, token_mask = np.asarray(tokens, np.int32), np.asarray(token_mask, bool)
-    size = None if builder.image_size is None else (builder.image_size, builder.image_size)
-    embodiment = np.int32(builder.embodiment_id)
-
-    def row(state, images):
-        state, images = front.state(state), front.images(images)
-        for slot in builder.camera_names:
-            _check_size(slot, images[slot], size, "GR00T")
-        return {
-            "state": pad_state(state.reshape(-1), builder.max_state_dim),
-            "embodiment_id": jnp.asarray(embodiment),
-            "tokens": jnp.asarray(tokens),
-            "token_mask": jnp.asarray(token_mask),
-            "images": {c: to_unit_range(images[c], xp=jnp) for c in builder.camera_names},
-            "image_masks": {c: jnp.asarray(True) for c in builder.camera_names},
-        }
-
-    return row, None
-
-
-def _pi05(builder, instruction: str, front: Front):
-    """π0.5 (``Pi05InputBuilder``): the prompt holds the discretised state (``bundle/pi05_prompt.py``);
-    cameras the run lacks are -1 and masked; images read with ``floats="auto"``."""
-    prompt = Pi05Prompt.build(builder, instruction, front)
-    host_tokens = None
-    if not prompt.verify(builder, instruction, front):
-        log.warning(
-            "device_io: the tokenizer %s merges text across the π0.5 prompt's pieces (the in-program "
-            "assembly differs from its own encoding): the prompt tokens come from the host through "
-            "jax.pure_callback on every call",
-            getattr(builder.tokenizer, "path", type(builder.tokenizer).__name__),
-        )
-        host_tokens = host_prompt_tokens(builder, instruction, front)
-    size = tuple(builder.image_size)
-
-    def row(raw_state, images):
-        state, given = front.state(raw_state), front.images(images)
-        images, masks = {}, {}
-        for cam in builder.camera_names:
-            if cam in given:
-                images[cam] = to_unit_range(given[cam], floats="auto", xp=jnp)
-                _check_size(cam, images[cam], size, "π0.5")
-                masks[cam] = jnp.asarray(True)
-            else:
-                images[cam] = jnp.full((*size, 3), -1.0, jnp.float32)
-                masks[cam] = jnp.asarray(False)
-        out = {"images": images, "image_masks": masks, "state": pad_state(state, builder.max_state_dim)}
-        if host_tokens is None:
-            out["tokens"], out["token_mask"] = prompt.tokens(raw_state)
-        return out
-
-    return row, host_tokens
-
-
-_FORMS = {"Pi05InputBuilder": _pi05, "Gr00tInputBuilder": _gr00t}

@@ -1,7 +1,8 @@
 """The run's per-sample transform before the model's builder, as jnp for one row: the state
 normalised as the host normalises it (and, for π0.5's prompt, the raw values at which its bins
 change), images renamed to the model's slots and put in [-1, 1]; made once from a bundle
-(``Front.of``) for ``bundle/device_io.py`` and ``bundle/pi05_prompt.py``.
+(``Front.of``) for ``bundle/device_io.py``, which hands it to the family's in-program form
+(``Front`` is a ``policy.RowTransform``).
 """
 
 from __future__ import annotations
@@ -15,21 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from embodied_jax.data.stats import normalize, unnormalize
-from embodied_jax.errors import InputError
-from embodied_jax.nn.image import to_unit_range
+from embodied_jax.errors import DeviceIOError
+from embodied_jax.images import to_unit_range
 
 if TYPE_CHECKING:
     from embodied_jax.bundle.policy import PolicyBundle
 
 
-class DeviceIOError(InputError, ValueError):
-    """A bundle (or an observation's layout) that the in-program processing cannot express."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Front:
-    """The per-sample transform before the builder (``SampleTransform``: normalise, images, rename)
-    on one row: state [S] -> normalised float32 [S]; images {dataset key: uint8 [H, W, 3]} ->
+    """A ``policy.RowTransform``: the per-sample transform before the builder (``SampleTransform``:
+    normalise, images, rename) on one row: state [S] -> normalised float32 [S]; images {dataset key: uint8 [H, W, 3]} ->
     {model slot: float32 [H, W, 3]}."""
 
     state_key: str

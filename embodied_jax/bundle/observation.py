@@ -15,11 +15,7 @@ from typing import Any
 import numpy as np
 
 from embodied_jax.data.stats import FeatureStats
-from embodied_jax.errors import InputError
-
-
-class ObservationError(InputError, ValueError):
-    """A robot observation the policy cannot take (missing key, shape, dtype, non-finite state)."""
+from embodied_jax.errors import InputError, ObservationError
 
 
 class NormStatsError(InputError, ValueError):

@@ -18,7 +18,7 @@ Modules (one concept each):
   delta actions), over a `LeRobotDataset` or a `FrameStore` alike.
 - `stats`: streaming `compute_stats`, `NormStats` (JSON), `Normalizer` (mean_std/min_max/quantile).
 - `transforms`: random crop, rotation, colour jitter, `ImageTransform` (resize-with-pad and
-  uint8 -> float [-1, 1] come from `embodied_jax.nn.image`, shared with the input builders).
+  uint8 -> float [-1, 1] come from `embodied_jax.images`, shared with the input builders).
 - `packing`: the one packer of every model: `PackingConfig` (`seq_len` 0 = off), `pack` (a Grain
   dataset of unpadded samples -> rows with `segment_ids`/`positions`, image slots with
   `image_segment_ids`, per-sample values with `sample_mask`), `pack_samples` (a list -> a batch).

@@ -31,7 +31,7 @@ import numpy as np
 from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
 from embodied_jax.data import framestore as fs
 from embodied_jax.data.lerobot import LeRobotDataset
-from embodied_jax.nn.image import resize_with_pad
+from embodied_jax.images import resize_with_pad
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@ Random transforms take a `np.random.Generator`; the pipeline hands in Grain's pe
 generator (`random_map`), so a run is reproducible from its seed. Resizing uses FFmpeg's
 swscale (bilinear) through PyAV, which is fast and needs no extra imaging library.
 `resize`, `resize_with_pad` and the uint8 -> float [-1, 1] conversion (`to_unit_range`) are
-shared with the models' input builders and live in `embodied_jax.nn.image`.
+shared with the models' input builders and live in `embodied_jax.images`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from embodied_jax.config_registry import register
-from embodied_jax.nn.image import resize, resize_with_pad, to_unit_range
+from embodied_jax.images import resize, resize_with_pad, to_unit_range
 
 
 def random_crop_resize(image: np.ndarray, rng: np.random.Generator, scale: float = 0.95) -> np.ndarray:

@@ -17,6 +17,9 @@ Two output forms: unpadded (``packed=False``, the Observation contract) has ever
 configured camera and the prompt right-padded to ``max_token_len`` (``token_mask`` marks
 real tokens); ``packed=True`` emits a sample for ``data/packing.py``: the prompt unpadded,
 with image blocks for the cameras the sample has only, and ``images`` [n, H, W, 3].
+
+``in_program`` gives the unpadded form as jnp for one row of a jitted program
+(``policy.InProgramBuilder``): the prompt is fixed per instruction, so it is tokenised once.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ import dataclasses
 import os
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
-from embodied_jax.errors import InputError
+from embodied_jax.errors import DeviceIOError, InputError
+from embodied_jax.images import to_unit_range
+from embodied_jax.models.in_program import check_image_size, pad_state
 from embodied_jax.models.tokenizer import JsonTokenizer
-from embodied_jax.nn.image import to_unit_range
+from embodied_jax.policy import InProgramInputs, RowTransform
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 IMAGE_CONTEXT = "<IMG_CONTEXT>"
@@ -177,6 +183,35 @@ class Gr00tInputBuilder:
             out["actions"] = np.pad(actions, ((0, 0), (0, pad)))
             out["action_mask"] = np.pad(np.ones_like(actions, bool), ((0, 0), (0, pad)))
         return out
+
+    def in_program(self, instruction: str, front: RowTransform) -> InProgramInputs:
+        """This builder's unpadded inputs for ``instruction`` as jnp for one row: every camera
+        present, images as the data layer made them, the state padded."""
+        slots = [slot for _, slot in front.cameras]
+        lacking = [c for c in self.camera_names if c not in slots]
+        if lacking:
+            raise DeviceIOError(
+                f"GR00T reads cameras {list(self.camera_names)}; the run's inputs give none for {lacking}"
+            )
+        tokens, token_mask = self.tokenize(instruction)  # PromptError names a task it cannot take
+        tokens, token_mask = np.asarray(tokens, np.int32), np.asarray(token_mask, bool)
+        size = None if self.image_size is None else (self.image_size, self.image_size)
+        embodiment = np.int32(self.embodiment_id)
+
+        def row(state, images):
+            state, images = front.state(state), front.images(images)
+            for slot in self.camera_names:
+                check_image_size(slot, images[slot], size, "GR00T")
+            return {
+                "state": pad_state(state.reshape(-1), self.max_state_dim),
+                "embodiment_id": jnp.asarray(embodiment),
+                "tokens": jnp.asarray(tokens),
+                "token_mask": jnp.asarray(token_mask),
+                "images": {c: to_unit_range(images[c], xp=jnp) for c in self.camera_names},
+                "image_masks": {c: jnp.asarray(True) for c in self.camera_names},
+            }
+
+        return InProgramInputs(row)
 
 
 def packed_sample(sample: dict[str, Any], cameras) -> dict[str, Any]:

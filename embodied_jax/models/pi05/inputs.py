@@ -8,8 +8,8 @@ Follows openpi/LeRobot's π0.5 preprocessing:
 - the prompt is ``f"Task: {task}, State: {bins};\\nAction: "`` where the task is stripped and has
   ``_`` and newlines replaced by spaces, tokenised with BOS, truncated and right-padded to
   ``max_token_len`` (``token_mask`` marks real tokens);
-- images are float32 in [-1, 1] (``nn.image.to_unit_range``: uint8, or float in [0, 1] or [-1, 1]),
-  resized with padding to ``image_size`` when needed (``nn.image.resize_with_pad``, openpi's
+- images are float32 in [-1, 1] (``images.to_unit_range``: uint8, or float in [0, 1] or [-1, 1]),
+  resized with padding to ``image_size`` when needed (``images.resize_with_pad``, openpi's
   floor rounding, padded with -1); a camera slot missing from the sample is filled with -1 and masked out;
 - actions are zero-padded to ``max_action_dim``; ``action_dim_mask`` marks the real dimensions.
 
@@ -19,49 +19,35 @@ camera the sample has, then the prompt; ``images`` [n, H, W, 3] for those camera
 absent camera is never encoded). The model fills those tokens with the images' tokens,
 so a packed sample's prefix is the unpadded sample's real tokens in the same order.
 
-The builder is a plain callable on one unbatched sample so the data pipeline can map it.
+The builder is a plain callable on one unbatched sample so the data pipeline can map it; its
+``in_program`` form gives the same inputs as jnp for one row of a jitted program
+(``policy.InProgramBuilder``): cameras the run lacks are -1 and masked, images read with
+``floats="auto"`` and never resized, the prompt assembled from ``prompt.Pi05Prompt``'s tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
+from embodied_jax.images import resize_with_pad, to_unit_range
+from embodied_jax.models.in_program import check_image_size, pad_state
+from embodied_jax.models.pi05.prompt import (
+    Pi05Prompt,
+    build_prompt,
+    discretize_state,
+    host_prompt_tokens,
+    tokenize_prompt,
+)
 from embodied_jax.models.tokenizer import load_tokenizer
-from embodied_jax.nn.image import resize_with_pad, to_unit_range
+from embodied_jax.policy import InProgramInputs, RowTransform
 
-
-def discretize_state(state: np.ndarray, max_state_dim: int = 32, num_bins: int = 256) -> np.ndarray:
-    """Zero-pad the normalised state to ``max_state_dim`` and map it to bins 0..num_bins-1 (upstream rule)."""
-    state = np.asarray(state, np.float32).reshape(-1)
-    if state.shape[0] > max_state_dim:
-        raise ValueError(f"state has {state.shape[0]} dims, more than max_state_dim={max_state_dim}")
-    state = np.pad(state, (0, max_state_dim - state.shape[0]))
-    edges = np.linspace(-1.0, 1.0, num_bins + 1)[:-1]
-    return (np.digitize(state, bins=edges) - 1).astype(np.int64)
-
-
-def clean_task(task: str) -> str:
-    return task.strip().replace("_", " ").replace("\n", " ")
-
-
-def build_prompt(task: str, state_bins: np.ndarray) -> str:
-    """The π0.5 prompt with discrete state tokens."""
-    state_str = " ".join(map(str, np.asarray(state_bins).tolist()))
-    return f"Task: {clean_task(task)}, State: {state_str};\nAction: "
-
-
-def tokenize_prompt(tokenizer, prompt: str, max_token_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """BOS + prompt, truncated to and right-padded to ``max_token_len``: (tokens int32, mask bool)."""
-    ids = tokenizer.encode(prompt, add_bos=True)[:max_token_len]
-    tokens = np.full((max_token_len,), tokenizer.pad_id, np.int32)
-    tokens[: len(ids)] = ids
-    mask = np.zeros((max_token_len,), bool)
-    mask[: len(ids)] = True
-    return tokens, mask
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +115,38 @@ class Pi05InputBuilder:
         if self.packed:
             return packed_sample(out, self.camera_names, self.image_tokens, self.image_token_id)
         return out
+
+    def in_program(self, instruction: str, front: RowTransform) -> InProgramInputs:
+        """This builder's inputs for ``instruction`` as jnp for one row (the module docstring)."""
+        prompt = Pi05Prompt.build(self, instruction, front)
+        host_tokens = None
+        if not prompt.verify(self, instruction, front):
+            log.warning(
+                "the tokenizer %s merges text across the π0.5 prompt's pieces (the in-program assembly "
+                "differs from its own encoding): the prompt tokens come from the host through "
+                "jax.pure_callback on every call",
+                getattr(self.tokenizer, "path", type(self.tokenizer).__name__),
+            )
+            host_tokens = host_prompt_tokens(self, instruction, front)
+        size = tuple(self.image_size)
+
+        def row(raw_state, images):
+            state, given = front.state(raw_state), front.images(images)
+            out_images, masks = {}, {}
+            for cam in self.camera_names:
+                if cam in given:
+                    out_images[cam] = to_unit_range(given[cam], floats="auto", xp=jnp)
+                    check_image_size(cam, out_images[cam], size, "π0.5")
+                    masks[cam] = jnp.asarray(True)
+                else:
+                    out_images[cam] = jnp.full((*size, 3), -1.0, jnp.float32)
+                    masks[cam] = jnp.asarray(False)
+            out = {"images": out_images, "image_masks": masks, "state": pad_state(state, self.max_state_dim)}
+            if host_tokens is None:
+                out["tokens"], out["token_mask"] = prompt.tokens(raw_state)
+            return out
+
+        return InProgramInputs(row, host_tokens)
 
 
 def packed_sample(sample: dict[str, Any], camera_names, image_tokens: int, image_token_id: int) -> dict[str, Any]:

@@ -1,32 +1,72 @@
-"""π0.5's prompt in the program: ``BOS + "Task: {task}, State: {bins};\\nAction: "`` assembled per row
-from token tables made once on the host (``Pi05Prompt``), checked against the builder's own
-encoding, and the host fallback for a tokenizer that merges across the pieces
-(``host_prompt_tokens``). Used by ``bundle/device_io.py``, whose docstring explains the method.
+"""π0.5's prompt, defined once: ``BOS + "Task: {task}, State: {b_0} ... {b_{D-1}};\\nAction: "``
+(openpi's and LeRobot's), the state's bins from ``np.digitize(normalised, edges) - 1``.
+
+The host builder (``models/pi05/inputs.py``) formats and encodes it per sample
+(``build_prompt``, ``tokenize_prompt``); the in-program form assembles the same tokens per row from
+token tables of the same pieces, made once per instruction on the host (``Pi05Prompt``): a fixed
+head and, for every state bin, that bin's tokens (between bins, and as the last one with the
+prompt's tail), compacted in the program with a cumulative sum, truncated and padded to
+``max_token_len`` as the host does; the bins are counted against per-dimension thresholds on the
+raw state that reproduce the host's float64 normalisation exactly. ``Pi05Prompt.verify`` checks
+the assembly against the builder's own tokens for probe states; a tokenizer that merges text
+across the pieces (SentencePiece joins consecutive unknown words into one ``<unk>``) fails it, and
+then the tokens come from the host (``host_prompt_tokens``, through ``jax.pure_callback``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from embodied_jax.bundle.observation import ObservationError
+from embodied_jax.models.in_program import pad_state
+from embodied_jax.policy import RowTransform
 
-if TYPE_CHECKING:
-    from embodied_jax.bundle.front import Front
-
-
-def pad_state(state: jax.Array, width: int, value: Any = 0) -> jax.Array:
-    """A row's state [S] padded to the model's ``max_state_dim`` (with ``value``)."""
-    if state.shape[0] > width:
-        raise ObservationError(f"state has {state.shape[0]} dims, more than the model's max_state_dim={width}")
-    return jnp.pad(state, (0, width - state.shape[0]), constant_values=value)
+# The prompt's three pieces: the head (after BOS), one per state bin, the tail after the last bin.
+HEAD = "Task: {task}, State:"
+BIN = " {bin}"
+TAIL = ";\nAction: "
+_CONTEXT = HEAD.rsplit(" ", 1)[-1]  # the head's last word: what a bin's tokens follow
 
 
-def host_prompt_tokens(builder, instruction: str, front: Front):
+def clean_task(task: str) -> str:
+    return task.strip().replace("_", " ").replace("\n", " ")
+
+
+def state_edges(num_bins: int) -> np.ndarray:
+    """The bins' lower edges on the normalised state: ``linspace(-1, 1, num_bins + 1)[:-1]``."""
+    return np.linspace(-1.0, 1.0, num_bins + 1)[:-1]
+
+
+def discretize_state(state: np.ndarray, max_state_dim: int = 32, num_bins: int = 256) -> np.ndarray:
+    """Zero-pad the normalised state to ``max_state_dim`` and map it to bins 0..num_bins-1 (upstream
+    rule; values below -1 give -1)."""
+    state = np.asarray(state, np.float32).reshape(-1)
+    if state.shape[0] > max_state_dim:
+        raise ValueError(f"state has {state.shape[0]} dims, more than max_state_dim={max_state_dim}")
+    state = np.pad(state, (0, max_state_dim - state.shape[0]))
+    return (np.digitize(state, bins=state_edges(num_bins)) - 1).astype(np.int64)
+
+
+def build_prompt(task: str, state_bins: np.ndarray) -> str:
+    """The π0.5 prompt with discrete state tokens."""
+    bins = "".join(BIN.format(bin=b) for b in np.asarray(state_bins).tolist())
+    return HEAD.format(task=clean_task(task)) + bins + TAIL
+
+
+def tokenize_prompt(tokenizer, prompt: str, max_token_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """BOS + prompt, truncated to and right-padded to ``max_token_len``: (tokens int32, mask bool)."""
+    ids = tokenizer.encode(prompt, add_bos=True)[:max_token_len]
+    tokens = np.full((max_token_len,), tokenizer.pad_id, np.int32)
+    tokens[: len(ids)] = ids
+    mask = np.zeros((max_token_len,), bool)
+    mask[: len(ids)] = True
+    return tokens, mask
+
+
+def host_prompt_tokens(builder, instruction: str, front: RowTransform):
     """The fallback: π0.5's prompt tokens of raw states [..., S], normalised and tokenised by the
     run's own transform and builder on the host."""
     length = builder.max_token_len
@@ -72,14 +112,13 @@ class Pi05Prompt:
     pad_id: int
 
     @classmethod
-    def build(cls, builder, instruction: str, front: Front) -> Pi05Prompt:
+    def build(cls, builder, instruction: str, front: RowTransform) -> Pi05Prompt:
         tokenizer = builder.tokenizer
-        task = instruction.strip().replace("_", " ").replace("\n", " ")  # the builder's clean_task
-        head = tokenizer.encode(f"Task: {task}, State:", add_bos=True)
-        context = tokenizer.encode("State:")
+        head = tokenizer.encode(HEAD.format(task=clean_task(instruction)), add_bos=True)
+        context = tokenizer.encode(_CONTEXT)
         bins = range(-1, builder.state_bins)
-        tails = ("", ";\nAction: ")
-        pieces = [[_in_context(tokenizer, "State:", context, f" {b}{tail}") for b in bins] for tail in tails]
+        tails = ("", TAIL)
+        pieces = [[_in_context(tokenizer, _CONTEXT, context, BIN.format(bin=b) + tail) for b in bins] for tail in tails]
         widest = max(len(p) for table in pieces for p in table)
         table = np.full((2, len(bins), max(widest, 1)), tokenizer.pad_id, np.int32)
         lengths = np.zeros((2, len(bins)), np.int32)
@@ -87,7 +126,7 @@ class Pi05Prompt:
             for j, ids in enumerate(row):
                 table[i, j, : len(ids)] = ids
                 lengths[i, j] = len(ids)
-        edges = np.linspace(-1.0, 1.0, builder.state_bins + 1)[:-1].astype(np.float32)  # exact in float32
+        edges = state_edges(builder.state_bins).astype(np.float32)  # exact in float32
         return cls(
             head=np.asarray(head, np.int32),
             pieces=table,
@@ -123,7 +162,7 @@ class Pi05Prompt:
         tokens = jnp.where(mask, flat[jnp.minimum(source, flat.shape[0] - 1)], self.pad_id)
         return tokens.astype(jnp.int32), mask
 
-    def verify(self, builder, instruction: str, front: Front) -> bool:
+    def verify(self, builder, instruction: str, front: RowTransform) -> bool:
         """Whether the assembly equals the builder's own tokens (after the host's normalisation)
         for probe raw states: normalised every bin 0, every bin 255, every bin -1 (where the
         normalisation reaches it), a seeded random mix, and values on and just below edges."""

@@ -1,8 +1,7 @@
 """Image preprocessing shared by the data layer and the models' input builders (NumPy; ``to_unit_range``
-also in jnp, for preprocessing inside a jitted program: ``bundle/device_io.py``).
+also in jnp, for the models' in-program input forms).
 
-It lives in ``nn`` because ``data`` and ``models`` may both import ``nn`` but not each
-other (docs/DESIGN.md, "Import direction").
+A bottom-floor module (it imports nothing of the library), so every part may use it.
 
 - ``to_unit_range``: uint8 [0, 255] -> float32 [-1, 1] as ``x / 127.5 - 1`` (one rounding,
   exact at 0 and 255; upstream's ``x / 255 * 2 - 1`` and ``x * (2 / 255) - 1`` differ from it in
