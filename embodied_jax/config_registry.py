@@ -47,7 +47,7 @@ _CONFIG_MODULES = (
     "embodied_jax.models.pi05",
     "embodied_jax.models.gr00t",
     "embodied_jax.models.toy_flow",
-    "embodied_jax.policy_evaluation",
+    "embodied_jax.evaluation.in_training",
 )
 
 _REGISTRY: dict[str, type] = {}

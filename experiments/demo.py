@@ -21,12 +21,12 @@ from embodied_jax.data.pipeline import DataConfig
 from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.sources import LeRobotData
+from embodied_jax.evaluation.in_training import SimEvaluation
 from embodied_jax.models.gr00t import Gr00tConfig
 from embodied_jax.models.gr00t import variants as gr00t_variants
 from embodied_jax.models.gr00t.inputs import SPECIAL_TOKENS, eagle_prompt
 from embodied_jax.models.pi05 import variants as pi05_variants
 from embodied_jax.parallel.mesh import MeshConfig
-from embodied_jax.policy_evaluation import SimEvaluation
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
 from experiments.registry import register, register_runner
 
@@ -249,7 +249,7 @@ def run_demo(config: DemoConfig) -> int:
         print(f"checkpoints: {result.checkpoint_dir}")
         return 0
     print(f"[3/4] evaluating in batched MJX ({config.eval_envs} environments) ...", flush=True)
-    from embodied_jax.evaluate import evaluate_policy, report_lines, summary_line
+    from embodied_jax.evaluation.closed_loop import evaluate_policy, report_lines, summary_line
 
     # Image size, execute_steps and seed: the run's saved evaluation (the task trained on).
     out = workdir / "eval"

@@ -32,10 +32,10 @@ from embodied_jax.data.pipeline import DataConfig
 from embodied_jax.data.sample_transform import ModelInputs
 from embodied_jax.data.samples import SampleSpec
 from embodied_jax.data.sources import LeRobotData
+from embodied_jax.evaluation.in_training import MetaWorldEvaluation
 from embodied_jax.models.gr00t import Gr00tConfig
 from embodied_jax.models.pi05 import variants
 from embodied_jax.parallel.mesh import MeshConfig
-from embodied_jax.policy_evaluation import MetaWorldEvaluation
 from embodied_jax.train.config import CheckpointConfig, ExperimentConfig, MetricsConfig, OptimizerConfig, TrainConfig
 from experiments.demo import build_gr00t_tokenizer, build_tokenizer, demo_gr00t_model
 from experiments.registry import register, register_runner
@@ -137,7 +137,7 @@ def is_gr00t(config: MetaWorldConfig) -> bool:
 def run_metaworld(config: MetaWorldConfig) -> int:
     """Collect scripted demonstrations of the tasks (or reuse them), train, evaluate in Meta-World."""
     from embodied_jax import load_policy
-    from embodied_jax.evaluate import evaluate_metaworld, report_lines
+    from embodied_jax.evaluation.closed_loop import evaluate_metaworld, report_lines
     from embodied_jax.sim import media, metaworld
     from embodied_jax.train.loop import train
 

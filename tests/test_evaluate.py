@@ -22,7 +22,8 @@ import pytest
 
 from embodied_jax.bundle import ObservationError
 from embodied_jax.data.sample_transform import SampleTransform
-from embodied_jax.evaluate import main, summary_line
+from embodied_jax.evaluation.cli import main
+from embodied_jax.evaluation.closed_loop import summary_line
 
 STATE, SCENE, WRIST = "observation.state", "observation.images.scene", "observation.images.wrist"
 
@@ -99,8 +100,8 @@ def test_the_simulators_time_step_reaches_the_bundles_preprocessing(evaluated, b
 
 
 def test_settings_default_to_the_runs_own_evaluation_else_the_policys_input_size_on_the_test_seed():
-    from embodied_jax.evaluate import defaults
-    from embodied_jax.policy_evaluation import SimEvaluation
+    from embodied_jax.evaluation.closed_loop import defaults
+    from embodied_jax.evaluation.in_training import SimEvaluation
 
     saved = SimEvaluation(task="reach", num_envs=7, execute_steps=3, image_size=(24, 40), seed=9, phase_in_state=True)
     run = types.SimpleNamespace(config=types.SimpleNamespace(evaluation=saved), image_size=(32, 32))

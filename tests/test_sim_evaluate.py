@@ -160,8 +160,8 @@ def test_collection_validation_and_test_scenes_never_coincide():
     """Seeds by purpose (``sim.seeds``): the evaluator's scenes on the validation and the test seed
     and the collector's first batch share no reach target; the in-training evaluation defaults to
     the validation seed and ``evaluate`` to the test seed."""
-    from embodied_jax.evaluate import defaults
-    from embodied_jax.policy_evaluation import SimEvaluation
+    from embodied_jax.evaluation.closed_loop import defaults
+    from embodied_jax.evaluation.in_training import SimEvaluation
     from embodied_jax.sim import seeds
 
     env = env_lib.Env("reach", env_lib.EnvConfig(image_size=(32, 32)))

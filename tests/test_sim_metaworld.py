@@ -85,7 +85,7 @@ def test_each_purpose_has_its_own_reset_seeds():
         for b in range(a + 1, 4):
             assert not seeds[a] & seeds[b], (purposes[a], purposes[b])
     assert metaworld.EvalSettings().seed == metaworld.TEST_SEED
-    from embodied_jax.policy_evaluation import MetaWorldEvaluation
+    from embodied_jax.evaluation.in_training import MetaWorldEvaluation
 
     assert MetaWorldEvaluation().seed == metaworld.VALIDATION_SEED  # in-training: choosing, not reporting
 

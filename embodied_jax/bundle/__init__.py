@@ -26,7 +26,7 @@ makes a bundle from a checkpoint.
 
 from embodied_jax.bundle.device_io import DeviceIO, DeviceIOError
 from embodied_jax.bundle.observation import NormStatsError, ObservationError, RtcPrefix
-from embodied_jax.bundle.policy import PolicyBundle, PreparedRow, row_keys
+from embodied_jax.bundle.policy_bundle import PolicyBundle, PreparedRow, row_keys
 from embodied_jax.bundle.sim_adapter import ActFn, act_fn, model_actions_fn
 
 __all__ = [

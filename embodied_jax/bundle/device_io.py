@@ -36,7 +36,7 @@ from embodied_jax.errors import DeviceIOError, ObservationError
 from embodied_jax.policy import InProgramBuilder
 
 if TYPE_CHECKING:
-    from embodied_jax.bundle.policy import PolicyBundle
+    from embodied_jax.bundle.policy_bundle import PolicyBundle
 
 Observe = Callable[..., dict[str, Any]]
 ActionsFn = Callable[[jax.Array, jax.Array], jax.Array]

@@ -20,7 +20,7 @@ from embodied_jax.errors import DeviceIOError
 from embodied_jax.images import to_unit_range
 
 if TYPE_CHECKING:
-    from embodied_jax.bundle.policy import PolicyBundle
+    from embodied_jax.bundle.policy_bundle import PolicyBundle
 
 
 @dataclasses.dataclass(frozen=True)

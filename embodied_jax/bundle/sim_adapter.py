@@ -22,7 +22,7 @@ import numpy as np
 from embodied_jax.data.stats import normalize
 
 if TYPE_CHECKING:
-    from embodied_jax.bundle.policy import PolicyBundle
+    from embodied_jax.bundle.policy_bundle import PolicyBundle
 
 ActFn = Callable[[Any, dict[str, Any], jax.Array], jax.Array]  # (params, observation, rng) -> actions
 

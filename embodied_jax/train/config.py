@@ -101,7 +101,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     distributed: DistributedConfig = DistributedConfig()
-    evaluation: Any = None  # e.g. ``embodied_jax.policy_evaluation.SimEvaluation``
+    evaluation: Any = None  # e.g. ``embodied_jax.evaluation.in_training.SimEvaluation``
     workdir: str = "runs/experiment"
     init_from: str | None = None  # parameters from a converted checkpoint (models.convert)
     dry_run: bool = False  # eval_shape only: config, mesh, parameter counts, bytes per device

@@ -35,11 +35,11 @@ EXECUTE_STEPS = 4
 
 def evaluate_cells(bundle, task: str, *, envs: int, execute_steps: int, delays, seed: int, image_size, guidance):
     """One metrics dict per (d, method), in table order."""
-    from embodied_jax.evaluate import _check_fits, make_env
+    from embodied_jax.evaluation.closed_loop import check_fits, make_env
     from embodied_jax.sim import EvalConfig, Evaluator
 
     env = make_env(task, image_size)
-    _check_fits(bundle, env, task)
+    check_fits(bundle, env, task)
     cells = []
     for delay in delays:
         for method in ("naive", "rtc"):
@@ -96,7 +96,7 @@ class Flags:
 
 
 def main(argv=None) -> dict:
-    from embodied_jax.evaluate import EvaluationError, check_task, defaults
+    from embodied_jax.evaluation.closed_loop import EvaluationError, check_task, defaults
 
     args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.rtc_delay", description=__doc__.splitlines()[0]

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from embodied_jax import load_policy
     from embodied_jax.bundle import row_keys
-    from embodied_jax.policy_evaluation import SimEvaluation
+    from embodied_jax.evaluation.in_training import SimEvaluation
     from embodied_jax.serve.client import PolicyClient
     from embodied_jax.sim import Env, EnvConfig, EvalConfig, Evaluator
     from experiments.benchmarks.serve_latency import RunningServer

@@ -1,4 +1,6 @@
-"""Closed-loop evaluation of trained policies in batched MJX, during and after training.
+"""The evaluations a run's trainer calls during training (``ExperimentConfig.evaluation``, saved
+with the run's config): ``SimEvaluation`` in batched MJX, ``MetaWorldEvaluation`` in Meta-World's
+own environments; their settings are also the defaults of the run's final evaluation.
 
 ``SimEvaluation`` is an ``ExperimentConfig.evaluation``: at the run's first evaluation the
 trainer calls ``start``, which wraps the live model and the run's normalisation
