@@ -1,10 +1,11 @@
 """Conventions shared by every command line: bad input is one ``error: ...`` line and exit
 status 2 (``--verbose`` adds the traceback); anything else is a bug and keeps its traceback.
-``parse_flags`` is ``tyro.cli`` for every tyro command line (the launcher, the benchmarks)."""
+``parse_flags`` is ``tyro.cli`` for every command line (the launcher, the library's tools, the
+benchmarks: flags from a dataclass, defaults stated once); ``run_main`` runs one with those
+conventions (``--verbose`` anywhere turns the traceback on)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -14,10 +15,6 @@ from embodied_jax.host_malloc import reexec
 
 # Besides the project's own InputErrors: a missing or unreadable file.
 INPUT_ERRORS: tuple[type[BaseException], ...] = (InputError, OSError)
-
-
-def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error, not only its line")
 
 
 def fail(exc: BaseException, *, verbose: bool) -> int:

@@ -18,20 +18,22 @@ the policy server read it wherever it is moved. The weights are the EMA by defau
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import pathlib
 import shutil
 import sys
 from collections.abc import Sequence
+from typing import Annotated
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tyro
 from flax import nnx
 
 from embodied_jax.assets import read_assets, write_assets
-from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
+from embodied_jax.cli import INPUT_ERRORS, parse_flags, run_main
 from embodied_jax.config_registry import to_dict
 from embodied_jax.errors import InputError
 from embodied_jax.loading import MODEL_STATE, load_policy
@@ -89,21 +91,33 @@ def export_policy(
     return out
 
 
+PROG = "python -m embodied_jax.export"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportFlags:
+    """``python -m embodied_jax.export``'s command line."""
+
+    run: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]]
+    """a run directory (or its checkpoints/ directory)"""
+    out: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]]
+    """the policy directory to create"""
+    step: int | None = None
+    """checkpoint step (default: the latest)"""
+    no_ema: bool = False
+    """export the trained parameters, not their EMA"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m embodied_jax.export", description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="a run directory (or its checkpoints/ directory)")
-    parser.add_argument("out", help="the policy directory to create")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    parser.add_argument("--no-ema", action="store_true", help="export the trained parameters, not their EMA")
-    add_verbose_flag(parser)
-    args = parser.parse_args(argv)
-    try:
-        out = export_policy(args.run, args.out, step=args.step, use_ema=not args.no_ema)
-    except INPUT_ERRORS + (ValueError, KeyError) as exc:
-        return fail(exc, verbose=args.verbose)
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"exported {out} ({size / 2**20:.1f} MiB)")
-    return 0
+    def run(args: list[str]) -> None:
+        flags = parse_flags(
+            ExportFlags, args=args, prog="python -m embodied_jax.export", description=__doc__.splitlines()[0]
+        )
+        out = export_policy(flags.run, flags.out, step=flags.step, use_ema=not flags.no_ema)
+        size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        print(f"exported {out} ({size / 2**20:.1f} MiB)")
+
+    return run_main(run, argv, INPUT_ERRORS + (ValueError, KeyError))
 
 
 if __name__ == "__main__":

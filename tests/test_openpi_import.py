@@ -184,12 +184,11 @@ def test_mismatched_leaves_are_named(mesh, tiny_abstract, tmp_path):
     assert "mis-shaped (1): action_in_proj/kernel: checkpoint (3, 3), model expects (8, 32)" in message
 
 
-def test_layout_detection_and_forward_only(tmp_path):
+def test_layout_detection_and_forward_only(tmp_path, capsys):
     assert convert._pi05_detect(tmp_path) == "lerobot"  # e.g. a model.safetensors directory
     (tmp_path / "params").mkdir()
     (tmp_path / "params" / "_METADATA").write_text("{}")
     assert convert._pi05_detect(tmp_path) == "openpi" and convert._pi05_detect(tmp_path / "params") == "openpi"
-    with pytest.raises(SystemExit):
-        convert.main(
-            ["--arch", "pi05", "--src", str(tmp_path), "--out", str(tmp_path / "x"), "--reverse", "--layout", "openpi"]
-        )
+    argv = ["--arch", "pi05", "--src", str(tmp_path), "--out", str(tmp_path / "x"), "--reverse", "--layout", "openpi"]
+    assert convert.main(argv) == 2
+    assert "error: --layout openpi: forward conversion only" in capsys.readouterr().err

@@ -15,7 +15,6 @@ converts only them.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import json
@@ -25,10 +24,12 @@ import pathlib
 import sys
 import time
 from collections.abc import Sequence
+from typing import Annotated
 
 import numpy as np
+import tyro
 
-from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
+from embodied_jax.cli import INPUT_ERRORS, parse_flags, run_main
 from embodied_jax.data import framestore as fs
 from embodied_jax.data.lerobot import LeRobotDataset
 from embodied_jax.images import resize_with_pad
@@ -211,43 +212,53 @@ def _convert_on_ray(address: str, args: list[tuple]) -> int:
     return frames
 
 
+PROG = "python -m embodied_jax.data.convert"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertFlags:
+    """``python -m embodied_jax.data.convert``'s command line."""
+
+    source: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
+    """LeRobot dataset directory (v2.1 or v3.0)"""
+    destination: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="DESTINATION")]]
+    """frame store directory (created; resumed if it exists)"""
+    image_size: Annotated[tuple[int, int] | None, tyro.conf.arg(metavar="HEIGHT WIDTH")] = None
+    """resize-with-pad frames"""
+    workers: int | None = None
+    """local worker processes (default: the CPU count)"""
+    ray_address: str | None = None
+    """convert on this Ray cluster instead of local processes"""
+    episodes: tuple[int, ...] | None = None
+    """only these episode indices"""
+    tolerance_s: float = 1e-4
+    zstd_level: int = 0
+    """compress frames with zstd at this level (0: uncompressed, fastest to read)"""
+    verify: bool = False
+    """re-read every episode and check its checksum after converting"""
+
+
+def run(args: ConvertFlags) -> None:
+    convert(
+        args.source,
+        args.destination,
+        image_size=args.image_size,
+        workers=args.workers or os.cpu_count(),
+        ray_address=args.ray_address,
+        episodes=None if args.episodes is None else list(args.episodes),
+        tolerance_s=args.tolerance_s,
+        zstd_level=args.zstd_level,
+    )
+    if args.verify:
+        verified = fs.verify_store(args.destination)
+        print(f"verified {len(verified)} episodes, {sum(verified.values())} frames")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m embodied_jax.data.convert", description=__doc__.splitlines()[0])
-    parser.add_argument("source", help="LeRobot dataset directory (v2.1 or v3.0)")
-    parser.add_argument("destination", help="frame store directory (created; resumed if it exists)")
-    parser.add_argument("--image-size", type=int, nargs=2, metavar=("HEIGHT", "WIDTH"), help="resize-with-pad frames")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="local worker processes")
-    parser.add_argument("--ray-address", help="convert on this Ray cluster instead of local processes")
-    parser.add_argument("--episodes", type=int, nargs="*", help="only these episode indices")
-    parser.add_argument("--tolerance-s", type=float, default=1e-4)
-    parser.add_argument(
-        "--zstd-level",
-        type=int,
-        default=0,
-        help="compress frames with zstd at this level (0: uncompressed, fastest to read)",
-    )
-    parser.add_argument(
-        "--verify", action="store_true", help="re-read every episode and check its checksum after converting"
-    )
-    add_verbose_flag(parser)
-    args = parser.parse_args(argv)
-    try:
-        convert(
-            args.source,
-            args.destination,
-            image_size=args.image_size,
-            workers=args.workers,
-            ray_address=args.ray_address,
-            episodes=args.episodes,
-            tolerance_s=args.tolerance_s,
-            zstd_level=args.zstd_level,
-        )
-        if args.verify:
-            verified = fs.verify_store(args.destination)
-            print(f"verified {len(verified)} episodes, {sum(verified.values())} frames")
-    except INPUT_ERRORS + (ValueError, KeyError) as exc:
-        return fail(exc, verbose=args.verbose)
-    return 0
+    def parse_and_run(args: list[str]) -> None:
+        run(parse_flags(ConvertFlags, args=args, prog=PROG, description=__doc__.splitlines()[0]))
+
+    return run_main(parse_and_run, argv, INPUT_ERRORS + (ValueError, KeyError))
 
 
 if __name__ == "__main__":

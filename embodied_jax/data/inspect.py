@@ -9,17 +9,20 @@ feature under its dataset key, each camera as uint8 HWC under its key, `timestam
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import pathlib
 import sys
 from collections.abc import Sequence
+from typing import Annotated
 
 import numpy as np
+import tyro
 
-from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
+from embodied_jax.cli import INPUT_ERRORS, parse_flags, run_main
 from embodied_jax.data import framestore as fs
 from embodied_jax.data import video
 from embodied_jax.data.lerobot import LeRobotDataset
+from embodied_jax.errors import InputError
 
 
 def open_source(path: str | pathlib.Path):
@@ -70,29 +73,42 @@ def frame_arrays(source, episode_index: int, frame_index: int) -> dict[str, np.n
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m embodied_jax.data.inspect", description=__doc__.splitlines()[0])
-    parser.add_argument("dataset", help="LeRobot dataset or frame store directory")
-    parser.add_argument("--episode", type=int, help="episode index (with --frame)")
-    parser.add_argument("--frame", type=int, help="frame index inside the episode")
-    parser.add_argument("--save", help="write that frame's raw arrays to this .npz")
-    add_verbose_flag(parser)
-    args = parser.parse_args(argv)
+PROG = "python -m embodied_jax.data.inspect"
+
+
+@dataclasses.dataclass(frozen=True)
+class InspectFlags:
+    """``python -m embodied_jax.data.inspect``'s command line."""
+
+    dataset: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]]
+    """LeRobot dataset or frame store directory"""
+    episode: int | None = None
+    """episode index (with --frame)"""
+    frame: int | None = None
+    """frame index inside the episode"""
+    save: str | None = None
+    """write that frame's raw arrays to this .npz"""
+
+
+def inspect(args: InspectFlags) -> None:
     if (args.episode is None) != (args.frame is None) or (args.save and args.episode is None):
-        parser.error("--episode and --frame go together, and --save needs both")
-    try:
-        source = open_source(args.dataset)
-        print("\n".join(summary_lines(source)))
-        if args.episode is not None:
-            arrays = frame_arrays(source, args.episode, args.frame)
-            for key, value in arrays.items():
-                print(f"  {key}: {value.dtype} {list(value.shape)}" + (f" = {value}" if value.size <= 8 else ""))
-            if args.save:
-                np.savez(args.save, **arrays)
-                print(f"saved {args.save}")
-    except INPUT_ERRORS + (KeyError, IndexError) as exc:
-        return fail(exc, verbose=args.verbose)
-    return 0
+        raise InputError("--episode and --frame go together, and --save needs both")
+    source = open_source(args.dataset)
+    print("\n".join(summary_lines(source)))
+    if args.episode is not None:
+        arrays = frame_arrays(source, args.episode, args.frame)
+        for key, value in arrays.items():
+            print(f"  {key}: {value.dtype} {list(value.shape)}" + (f" = {value}" if value.size <= 8 else ""))
+        if args.save:
+            np.savez(args.save, **arrays)
+            print(f"saved {args.save}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def run(args: list[str]) -> None:
+        inspect(parse_flags(InspectFlags, args=args, prog=PROG, description=__doc__.splitlines()[0]))
+
+    return run_main(run, argv, INPUT_ERRORS + (KeyError, IndexError))
 
 
 if __name__ == "__main__":

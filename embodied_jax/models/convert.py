@@ -29,7 +29,6 @@ written only when ``--like SRC`` names the original checkpoint, whose dtypes are
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import sys
@@ -41,7 +40,8 @@ import jax
 from flax import nnx
 
 from embodied_jax.assets import write_assets
-from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
+from embodied_jax.cli import INPUT_ERRORS, parse_flags, run_main
+from embodied_jax.errors import InputError
 from embodied_jax.models.weights.layout import Layout
 from embodied_jax.models.weights.safetensors_io import export_checkpoint, import_checkpoint
 
@@ -156,54 +156,66 @@ def from_orbax(ckpt_dir, dst, config, layout: Layout, *, like=None, dtype=None, 
     return export_checkpoint(params, layout, dst, like=like, dtype=dtype)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m embodied_jax.models.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", required=True, choices=sorted(ARCHS))
-    parser.add_argument("--src", required=True, help="upstream checkpoint dir/file (or CKPT_DIR with --reverse)")
-    parser.add_argument("--out", required=True, help="CKPT_DIR (or the output dir for --reverse)")
-    parser.add_argument("--reverse", action="store_true", help="our Orbax checkpoint -> upstream safetensors")
-    parser.add_argument("--like", default=None, help="with --reverse: original checkpoint (ignored tensors, dtypes)")
-    parser.add_argument("--dtype", default=None, help="with --reverse: write every model tensor in this dtype")
-    parser.add_argument(
-        "--layout",
-        default=None,
-        help="checkpoint layout for archs with several (pi05: lerobot|openpi, gr00t_n15: lerobot|nvidia); "
-        "forward conversion detects it when omitted",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        help="forward: the weights' tokenizer (pi05: PaliGemma's tokenizer.model, gr00t_n15: Qwen3's "
-        "tokenizer.json), copied into CKPT_DIR/assets so that --init-from CKPT_DIR needs no --model.tokenizer-path",
-    )
-    add_verbose_flag(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+PROG = "python -m embodied_jax.models.convert"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertFlags:
+    """``python -m embodied_jax.models.convert``'s command line."""
+
+    arch: str
+    """the model family and size (ARCHS: pi05, gr00t_n15, ...)"""
+    src: str
+    """upstream checkpoint dir/file (or CKPT_DIR with --reverse)"""
+    out: str
+    """CKPT_DIR (or the output dir for --reverse)"""
+    reverse: bool = False
+    """our Orbax checkpoint -> upstream safetensors"""
+    like: str | None = None
+    """with --reverse: original checkpoint (ignored tensors, dtypes)"""
+    dtype: str | None = None
+    """with --reverse: write every model tensor in this dtype"""
+    layout: str | None = None
+    """checkpoint layout for archs with several (pi05: lerobot|openpi, gr00t_n15: lerobot|nvidia); forward
+    conversion detects it when omitted"""
+    tokenizer: str | None = None
+    """forward: the weights' tokenizer (pi05: PaliGemma's tokenizer.model, gr00t_n15: Qwen3's tokenizer.json),
+    copied into CKPT_DIR/assets so that --init-from CKPT_DIR needs no --model.tokenizer-path"""
+
+
+def convert(args: ConvertFlags) -> Path:
+    """The conversion ``args`` describe; what it wrote."""
+    if args.arch not in ARCHS:
+        raise InputError(f"--arch {args.arch!r}: one of {sorted(ARCHS)}")
     if args.tokenizer is not None and (args.reverse or not Path(args.tokenizer).is_file()):
         problem = "forward conversion only" if args.reverse else "no such file"
-        parser.error(f"--tokenizer {args.tokenizer!r}: {problem}")
+        raise InputError(f"--tokenizer {args.tokenizer!r}: {problem}")
     arch = ARCHS[args.arch]
     if args.layout is not None and args.layout not in arch.layouts:
-        parser.error(f"--layout {args.layout!r}: --arch {args.arch} has layouts {arch.layouts or '(only one)'}")
+        raise InputError(f"--layout {args.layout!r}: --arch {args.arch} has layouts {arch.layouts or '(only one)'}")
     if arch.layouts:
         name = args.layout or (arch.detect(args.src) if arch.detect and not args.reverse else arch.layouts[0])
         layout = arch.layout(name)
         if args.reverse and not isinstance(layout, Layout):
-            parser.error(f"--layout {name}: forward conversion only")
+            raise InputError(f"--layout {name}: forward conversion only")
     else:
         layout = arch.layout()
     config = arch.make_config()
-    try:
-        if args.reverse:
-            written = from_orbax(args.src, args.out, config, layout, like=args.like, dtype=args.dtype)
-        else:
-            written = to_orbax(args.src, args.out, config, layout)
-            if args.tokenizer is not None:
-                write_assets({"tokenizer_path": args.tokenizer}, written)
-    except INPUT_ERRORS + (ValueError, KeyError) as exc:
-        return fail(exc, verbose=args.verbose)
-    print(f"wrote {written}")
-    return 0
+    if args.reverse:
+        return from_orbax(args.src, args.out, config, layout, like=args.like, dtype=args.dtype)
+    written = to_orbax(args.src, args.out, config, layout)
+    if args.tokenizer is not None:
+        write_assets({"tokenizer_path": args.tokenizer}, written)
+    return written
+
+
+def main(argv=None) -> int:
+    def run(args: list[str]) -> None:
+        flags = parse_flags(ConvertFlags, args=args, prog=PROG, description=__doc__.split("\n")[0])
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        print(f"wrote {convert(flags)}")
+
+    return run_main(run, argv, INPUT_ERRORS + (ValueError, KeyError))
 
 
 if __name__ == "__main__":

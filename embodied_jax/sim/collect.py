@@ -30,19 +30,21 @@ in action units, or ``auto``).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
 import pathlib
 import sys
 from collections.abc import Sequence
+from typing import Annotated, Literal
 
 import jax
 import numpy as np
+import tyro
 
-from embodied_jax.cli import INPUT_ERRORS, add_verbose_flag, fail
+from embodied_jax.cli import INPUT_ERRORS, parse_flags, run_main
 from embodied_jax.data.modality import Modality
+from embodied_jax.errors import InputError
 from embodied_jax.sim import dart
 from embodied_jax.sim import env as env_lib
 from embodied_jax.sim import rollout as rollout_lib
@@ -271,119 +273,115 @@ def collect(
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m embodied_jax.sim.collect", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "task", help=f"a built-in task ({', '.join(sorted(tasks_lib.TASKS))}) or metaworld:<task>[,<task>...]|mt10|mt50"
-    )
-    parser.add_argument("--episodes", type=int, required=True)
-    parser.add_argument("--out", required=True, help="dataset directory to create")
-    parser.add_argument(
-        "--image-size",
-        type=int,
-        nargs="+",
-        default=[64],
-        metavar="PX",
-        help="square size, or height width (default 64)",
-    )
-    parser.add_argument("--seed", type=int, default=COLLECTION_SEED)
-    parser.add_argument("--batch", type=int, default=None, help="episodes simulated per rollout")
-    parser.add_argument("--renderer", choices=("auto", "warp", "raycast"), default="auto")
-    parser.add_argument("--version", choices=("v3.0", "v2.1"), default="v3.0")
-    parser.add_argument(
-        "--image-storage",
-        choices=("png", "video"),
-        default="png",
-        help="png: lossless frames in the parquet (default); video: mp4 in --codec",
-    )
-    parser.add_argument("--codec", choices=("h264", "av1"), default="h264", help="with --image-storage video")
-    parser.add_argument("--keep-failures", action="store_true", help="also write unsuccessful episodes")
-    parser.add_argument(
-        "--phase-in-state", action="store_true", help="append the episode's phase (step / limit) to the state"
-    )
-    parser.add_argument(
-        "--max-steps",
-        type=int,
-        default=None,
-        help="metaworld: tasks only: steps per episode (default: the evaluation's limit, 500)",
-    )
-    parser.add_argument(
-        "--noise",
-        default=None,
-        help="std (metres) of DART noise on executed hand positions (recorded actions stay the expert's); "
-        "'auto': calibrate it now; default: the task's calibrated level",
-    )
-    parser.add_argument(
-        "--workers", type=int, default=1, help="metaworld: tasks only: tasks collected in that many processes at once"
-    )
-    parser.add_argument(
-        "--prompts",
-        choices=("lerobot", "project"),
-        default="lerobot",
-        help="metaworld: tasks only: LeRobot's task descriptions (default) or the project's own sentences",
-    )
-    parser.add_argument(
-        "--render-style",
-        choices=("fast", "lerobot"),
-        default="fast",
-        help="metaworld: tasks only: 'lerobot' renders with Meta-World's own settings (LeRobot's frames at 480)",
-    )
-    add_verbose_flag(parser)
-    args = parser.parse_args(argv)
-    if len(args.image_size) not in (1, 2):
-        parser.error("--image-size takes one (square) or two (height width) integers")
-    size = tuple(args.image_size) * (2 if len(args.image_size) == 1 else 1)
+PROG = "python -m embodied_jax.sim.collect"
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectFlags:
+    """``python -m embodied_jax.sim.collect``'s command line."""
+
+    task: tyro.conf.Positional[Annotated[str, tyro.conf.arg(metavar="TASK")]]
+    """a built-in task or metaworld:<task>[,<task>...]|mt10|mt50"""
+    episodes: int
+    """episodes to write (per task for metaworld:)"""
+    out: str
+    """dataset directory to create"""
+    image_size: Annotated[tuple[int, ...], tyro.conf.arg(metavar="PX [PX]")] = (64,)
+    """square size, or height width"""
+    seed: int = COLLECTION_SEED
+    batch: int | None = None
+    """episodes simulated per rollout"""
+    renderer: Literal["auto", "warp", "raycast"] = "auto"
+    version: Literal["v3.0", "v2.1"] = "v3.0"
+    image_storage: Literal["png", "video"] = "png"
+    """png: lossless frames in the parquet; video: mp4 in --codec"""
+    codec: Literal["h264", "av1"] = "h264"
+    """with --image-storage video"""
+    keep_failures: bool = False
+    """also write unsuccessful episodes"""
+    phase_in_state: bool = False
+    """append the episode's phase (step / limit) to the state"""
+    max_steps: int | None = None
+    """metaworld: tasks only: steps per episode (default: the evaluation's limit, 500)"""
+    noise: str | None = None
+    """std of DART noise on executed hand positions (recorded actions stay the expert's); 'auto': calibrate it
+    now; default: the task's calibrated level (metaworld: none, as the hub's)"""
+    workers: int = 1
+    """metaworld: tasks only: tasks collected in that many processes at once"""
+    prompts: Literal["lerobot", "project"] = "lerobot"
+    """metaworld: tasks only: LeRobot's task descriptions or the project's own sentences"""
+    render_style: Literal["fast", "lerobot"] = "fast"
+    """metaworld: tasks only: 'lerobot' renders with Meta-World's own settings (LeRobot's frames at 480)"""
+
+
+def _checked(args: CollectFlags) -> tuple[tuple[int, int], float | str | None]:
+    """The image size (height, width) and the noise the flags ask for, or an ``InputError``."""
     from embodied_jax.sim import metaworld
 
+    if len(args.image_size) not in (1, 2):
+        raise InputError("--image-size takes one (square) or two (height width) integers")
+    size = tuple(args.image_size) * (2 if len(args.image_size) == 1 else 1)
     metaworld_task = metaworld.is_metaworld(args.task)
     if not metaworld_task and args.task not in tasks_lib.TASKS:
-        parser.error(f"task {args.task!r}: one of {sorted(tasks_lib.TASKS)} or metaworld:<task>")
+        raise InputError(f"task {args.task!r}: one of {sorted(tasks_lib.TASKS)} or metaworld:<task>")
     if args.max_steps is not None and not metaworld_task:
-        parser.error("--max-steps is for metaworld: tasks (a built-in task collects its own collect_steps)")
-    noise = args.noise
+        raise InputError("--max-steps is for metaworld: tasks (a built-in task collects its own collect_steps)")
+    noise: float | str | None = args.noise
     if noise not in (None, "auto"):
         try:
             noise = float(noise)
         except ValueError:
-            parser.error(f"--noise {noise!r}: metres (a number) or 'auto'")
-    try:
-        if metaworld_task:
-            root = metaworld.collect(
-                args.task,
-                args.episodes,
-                args.out,
-                image_size=size,
-                seed=args.seed,
-                noise=None if noise == "auto" else 0.0 if noise is None else noise,  # none by default, as the hub's
-                keep_failures=args.keep_failures,
-                image_storage=args.image_storage,
-                codec=args.codec,
-                workers=args.workers,
-                prompts=args.prompts,
-                render_style=args.render_style,
-                **({} if args.max_steps is None else {"max_steps": args.max_steps}),
-            )
-            print(f"wrote {args.episodes} episodes of each of {args.task} to {root}")
-            return 0
-        root = collect(
+            raise InputError(f"--noise {noise!r}: metres (a number) or 'auto'") from None
+    return size, noise
+
+
+def run(args: CollectFlags) -> pathlib.Path:
+    """Collect what ``args`` describe; the dataset's directory."""
+    from embodied_jax.sim import metaworld
+
+    size, noise = _checked(args)
+    if metaworld.is_metaworld(args.task):
+        root = metaworld.collect(
             args.task,
             args.episodes,
             args.out,
             image_size=size,
             seed=args.seed,
-            batch=args.batch,
-            renderer=args.renderer,
-            version=args.version,
-            codec=args.codec,
-            image_storage=args.image_storage,
+            noise=None if noise == "auto" else 0.0 if noise is None else noise,  # none by default, as the hub's
             keep_failures=args.keep_failures,
-            noise=noise,
-            phase_in_state=args.phase_in_state,
+            image_storage=args.image_storage,
+            codec=args.codec,
+            workers=args.workers,
+            prompts=args.prompts,
+            render_style=args.render_style,
+            **({} if args.max_steps is None else {"max_steps": args.max_steps}),
         )
-    except INPUT_ERRORS + (ValueError,) as exc:
-        return fail(exc, verbose=args.verbose)
+        print(f"wrote {args.episodes} episodes of each of {args.task} to {root}")
+        return root
+    root = collect(
+        args.task,
+        args.episodes,
+        args.out,
+        image_size=size,
+        seed=args.seed,
+        batch=args.batch,
+        renderer=args.renderer,
+        version=args.version,
+        codec=args.codec,
+        image_storage=args.image_storage,
+        keep_failures=args.keep_failures,
+        noise=noise,
+        phase_in_state=args.phase_in_state,
+    )
     print(f"wrote {args.episodes} {args.task} episodes to {root}")
-    return 0
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def parse_and_run(args: list[str]) -> None:
+        run(parse_flags(CollectFlags, args=args, prog=PROG, description=__doc__.splitlines()[0]))
+
+    return run_main(parse_and_run, argv, INPUT_ERRORS + (ValueError,))
 
 
 if __name__ == "__main__":
