@@ -8,7 +8,9 @@ matching. ``--src`` may name the ``params`` directory or the directory holding i
 
     python -m embodied_jax.models.convert --arch pi05 --layout openpi --src OPENPI_PARAMS_DIR --out CKPT_DIR
 
-Layout (``tests/data/openpi_pi05_params.tsv``), every leaf mapped by one or two ``Move``s:
+Layout (``tests/data/openpi_pi05_params.tsv``), a ``models.weights.layout.Layout`` like every
+importer's: each leaf filled by one rule (openpi's stacks are stacked sources), two rules reading
+one openpi leaf where it holds two of ours (``take``):
 
 - Two experts: the PaliGemma Gemma's weights carry openpi's plain names (``attn/q_einsum``,
   ``mlp``, ``pre_attention_norm``, ``final_norm``), the action expert's the same names suffixed
@@ -53,11 +55,17 @@ import numpy as np
 from embodied_jax.models.pi05.weights import PI05_LAYOUT
 from embodied_jax.models.weights.layout import (
     LAYER,
-    WeightMismatchError,
+    Layout,
+    Rule,
+    Slot,
+    check_names,
+    concrete_sharding,
     flatten_params,
-    format_names,
+    transform,
     unflatten_params,
 )
+from embodied_jax.models.weights.layout import assign as assign_slots
+from embodied_jax.models.weights.layout import plan as plan_entries
 
 log = logging.getLogger(__name__)
 
@@ -65,109 +73,58 @@ ORBAX_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
 READ_BATCH_BYTES = 1 << 30  # leaves restored per Orbax call (one call per leaf is slow for small trees)
 
 
-@dataclasses.dataclass(frozen=True)
-class Move:
-    """One openpi leaf (or its part ``take``) -> one of our leaves (``{layer}``: a stack).
-
-    ``shape`` is the openpi leaf's full shape (a stack's leading layer axis included). The
-    transform of one layer: index ``take`` on the first axis, permute by ``transpose``, then
-    merge consecutive axes into our leaf's shape (heads and head_dim into one axis).
-    """
-
-    source: str
-    target: str
-    shape: tuple[int, ...]
-    take: int | None = None
-    transpose: tuple[int, ...] | None = None
-
-    @property
-    def stacked(self) -> bool:
-        return LAYER in self.target
-
-
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    """A target of a move: a whole leaf, or (``layer`` set) one layer of an unscanned stack."""
-
-    leaf: str
-    layer: int | None = None
-
-
-def _merge(x, shape: tuple[int, ...]):
-    """Reshape ``x`` to ``shape`` where that only merges runs of consecutive axes (never reorders)."""
-    src, i = tuple(x.shape), 0
-    for size in shape:
-        if i == len(src):
-            raise ValueError(f"{src} does not merge into {shape}")
-        merged, i = src[i], i + 1
-        while merged < size and i < len(src):
-            merged *= src[i]
-            i += 1
-        if merged != size:
-            raise ValueError(f"{src} does not merge into {shape}")
-    if any(d != 1 for d in src[i:]):
-        raise ValueError(f"{src} does not merge into {shape}")
-    return x.reshape(shape)
-
-
-def transform(move: Move, x, slot: Slot, shape: tuple[int, ...]):
-    """The openpi array ``x`` (its full shape) -> the value of ``slot`` (our leaf shape ``shape``)."""
-    lead = 1 if move.stacked and slot.layer is None else 0  # a scanned leaf keeps the layer axis
-    if slot.layer is not None:
-        x = x[slot.layer]
-    if move.take is not None:
-        x = x[(slice(None),) * lead + (move.take,)]
-    if move.transpose is not None:
-        x = x.transpose(*range(lead), *(lead + p for p in move.transpose))
-    return _merge(x, shape)
+def _rule(source: str, target: str, shape: tuple[int, ...], take: int | None = None, transpose=None) -> Rule:
+    """One openpi leaf (or its part ``take``) -> one of our leaves (``{layer}``: a stack); ``shape``:
+    the openpi leaf's full shape (a stack's leading layer axis included)."""
+    return Rule(source, target, transpose, take=take, shape=tuple(shape))
 
 
 # ----------------------------------------------------------------------------- layout
 
 
-def _linear(source: str, target: str, fan_in: int, fan_out: int, layers: tuple[int, ...] = ()) -> list[Move]:
+def _linear(source: str, target: str, fan_in: int, fan_out: int, layers: tuple[int, ...] = ()) -> list[Rule]:
     return [
-        Move(f"{source}/kernel", f"{target}.kernel", (*layers, fan_in, fan_out)),
-        Move(f"{source}/bias", f"{target}.bias", (*layers, fan_out)),
+        _rule(f"{source}/kernel", f"{target}.kernel", (*layers, fan_in, fan_out)),
+        _rule(f"{source}/bias", f"{target}.bias", (*layers, fan_out)),
     ]
 
 
-def _vision(config) -> list[Move]:
+def _vision(config) -> list[Rule]:
     v, img = config.vision, "PaliGemma/img/"
     block, ours = img + "Transformer/encoderblock/", f"vision_tower.encoder.layers.{LAYER}."
     w, n, stack = v.width, v.num_heads, (v.depth,)
     embeddings = "vision_tower.embeddings."
-    moves = [
-        Move(img + "embedding/kernel", embeddings + "patch_embedding.kernel", (v.patch_size,) * 2 + (3, w)),
-        Move(img + "embedding/bias", embeddings + "patch_embedding.bias", (w,)),
-        Move(img + "pos_embedding", embeddings + "position_embedding.embedding", (1, v.num_patches, w), take=0),
-        Move(img + "Transformer/encoder_norm/scale", "vision_tower.post_layernorm.scale", (w,)),
-        Move(img + "Transformer/encoder_norm/bias", "vision_tower.post_layernorm.bias", (w,)),
+    out = [
+        _rule(img + "embedding/kernel", embeddings + "patch_embedding.kernel", (v.patch_size,) * 2 + (3, w)),
+        _rule(img + "embedding/bias", embeddings + "patch_embedding.bias", (w,)),
+        _rule(img + "pos_embedding", embeddings + "position_embedding.embedding", (1, v.num_patches, w), take=0),
+        _rule(img + "Transformer/encoder_norm/scale", "vision_tower.post_layernorm.scale", (w,)),
+        _rule(img + "Transformer/encoder_norm/bias", "vision_tower.post_layernorm.bias", (w,)),
     ]
     if v.num_channels != 3:
         raise ValueError(f"openpi layout: SigLIP takes RGB images, config has num_channels={v.num_channels}")
     for i, norm in enumerate(("layer_norm1", "layer_norm2")):
-        moves += [Move(f"{block}LayerNorm_{i}/{p}", f"{ours}{norm}.{p}", (*stack, w)) for p in ("scale", "bias")]
+        out += [_rule(f"{block}LayerNorm_{i}/{p}", f"{ours}{norm}.{p}", (*stack, w)) for p in ("scale", "bias")]
     attn = block + "MultiHeadDotProductAttention_0/"
     for theirs, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
-        moves.append(Move(f"{attn}{theirs}/kernel", f"{ours}self_attn.{proj}.kernel", (*stack, w, n, w // n)))
-        moves.append(Move(f"{attn}{theirs}/bias", f"{ours}self_attn.{proj}.bias", (*stack, n, w // n)))
-    moves.append(Move(attn + "out/kernel", f"{ours}self_attn.out_proj.kernel", (*stack, n, w // n, w)))
-    moves.append(Move(attn + "out/bias", f"{ours}self_attn.out_proj.bias", (*stack, w)))
-    moves += _linear(block + "MlpBlock_0/Dense_0", ours + "mlp.fc1", w, v.mlp_dim, stack)
-    moves += _linear(block + "MlpBlock_0/Dense_1", ours + "mlp.fc2", v.mlp_dim, w, stack)
-    moves += _linear(img + "head", "multi_modal_projector", w, config.vlm.width)
-    return moves
+        out.append(_rule(f"{attn}{theirs}/kernel", f"{ours}self_attn.{proj}.kernel", (*stack, w, n, w // n)))
+        out.append(_rule(f"{attn}{theirs}/bias", f"{ours}self_attn.{proj}.bias", (*stack, n, w // n)))
+    out.append(_rule(attn + "out/kernel", f"{ours}self_attn.out_proj.kernel", (*stack, n, w // n, w)))
+    out.append(_rule(attn + "out/bias", f"{ours}self_attn.out_proj.bias", (*stack, w)))
+    out += _linear(block + "MlpBlock_0/Dense_0", ours + "mlp.fc1", w, v.mlp_dim, stack)
+    out += _linear(block + "MlpBlock_0/Dense_1", ours + "mlp.fc2", v.mlp_dim, w, stack)
+    out += _linear(img + "head", "multi_modal_projector", w, config.vlm.width)
+    return out
 
 
-def _norm(source: str, target: str, expert, layers: tuple[int, ...] = ()) -> list[Move]:
+def _norm(source: str, target: str, expert, layers: tuple[int, ...] = ()) -> list[Rule]:
     if expert.use_adarms:
         cond = expert.cond_dim or expert.width
         return _linear(f"{source}/Dense_0", f"{target}.dense", cond, 3 * expert.width, layers)
-    return [Move(f"{source}/scale", f"{target}.scale", (*layers, expert.width))]
+    return [_rule(f"{source}/scale", f"{target}.scale", (*layers, expert.width))]
 
 
-def _expert(index: int, expert) -> list[Move]:
+def _expert(index: int, expert) -> list[Rule]:
     """One Gemma expert: openpi names expert 0 plainly and expert i > 0 with the suffix ``_i``."""
     s = f"_{index}" if index else ""
     theirs, ours = "PaliGemma/llm/layers/", f"llm.layers.{LAYER}.experts.{index}."
@@ -177,26 +134,26 @@ def _expert(index: int, expert) -> list[Move]:
         raise ValueError("openpi layout: with num_kv_heads == num_heads openpi stores qkv_einsum, not supported")
     kv, gating = f"{theirs}attn/kv_einsum{s}/w", f"{theirs}mlp{s}/gating_einsum"
     return [
-        Move(f"{theirs}attn/q_einsum{s}/w", ours + "self_attn.q_proj.kernel", (*stack, n, d, h), transpose=(1, 0, 2)),
-        Move(kv, ours + "self_attn.k_proj.kernel", (*stack, 2, k, d, h), take=0, transpose=(1, 0, 2)),
-        Move(kv, ours + "self_attn.v_proj.kernel", (*stack, 2, k, d, h), take=1, transpose=(1, 0, 2)),
-        Move(f"{theirs}attn/attn_vec_einsum{s}/w", ours + "self_attn.o_proj.kernel", (*stack, n, h, d)),
-        Move(gating, ours + "mlp.gate_proj.kernel", (*stack, 2, d, f), take=0),
-        Move(gating, ours + "mlp.up_proj.kernel", (*stack, 2, d, f), take=1),
-        Move(f"{theirs}mlp{s}/linear", ours + "mlp.down_proj.kernel", (*stack, f, d)),
+        _rule(f"{theirs}attn/q_einsum{s}/w", ours + "self_attn.q_proj.kernel", (*stack, n, d, h), transpose=(1, 0, 2)),
+        _rule(kv, ours + "self_attn.k_proj.kernel", (*stack, 2, k, d, h), take=0, transpose=(1, 0, 2)),
+        _rule(kv, ours + "self_attn.v_proj.kernel", (*stack, 2, k, d, h), take=1, transpose=(1, 0, 2)),
+        _rule(f"{theirs}attn/attn_vec_einsum{s}/w", ours + "self_attn.o_proj.kernel", (*stack, n, h, d)),
+        _rule(gating, ours + "mlp.gate_proj.kernel", (*stack, 2, d, f), take=0),
+        _rule(gating, ours + "mlp.up_proj.kernel", (*stack, 2, d, f), take=1),
+        _rule(f"{theirs}mlp{s}/linear", ours + "mlp.down_proj.kernel", (*stack, f, d)),
         *_norm(f"{theirs}pre_attention_norm{s}", ours + "input_layernorm", expert, stack),
         *_norm(f"{theirs}pre_ffw_norm{s}", ours + "post_attention_layernorm", expert, stack),
         *_norm(f"PaliGemma/llm/final_norm{s}", f"llm.final_norms.{index}", expert),
     ]
 
 
-def moves(config) -> list[Move]:
+def rules(config) -> list[Rule]:
     """Every move of openpi's π0.5 tree into a ``Pi05Policy`` of ``config`` (openpi shapes from it)."""
     width, actions = config.expert.width, config.max_action_dim
     embed = "PaliGemma/llm/embedder/input_embedding"
     return (
         _vision(config)
-        + [Move(embed, "llm.embed_tokens.embedding", (config.vocab_size, config.vlm.width))]
+        + [_rule(embed, "llm.embed_tokens.embedding", (config.vocab_size, config.vlm.width))]
         + _expert(0, config.vlm)
         + _expert(1, config.expert)
         + _linear("action_in_proj", "action_in_proj", actions, width)
@@ -206,55 +163,20 @@ def moves(config) -> list[Move]:
     )
 
 
+def layout(config) -> Layout:
+    """openpi's π0.5 tree for ``config`` as a layout (LoRA leaves are ours only, as in LeRobot's)."""
+    return Layout("openpi", tuple(rules(config)), model_only=PI05_LAYOUT.model_only)
+
+
 def source_shapes(config) -> dict[str, tuple[int, ...]]:
     """openpi's params tree for ``config``: path -> shape (``tests/data/openpi_pi05_params.tsv`` at full size)."""
-    return {m.source: m.shape for m in moves(config)}
+    return {m.source: m.shape for m in rules(config)}
 
 
-def _shape_problems(checks: list[tuple[Move, Slot, tuple[int, ...]]]) -> list[str]:
-    """Run every transform abstractly (one ``jax.eval_shape``, nothing allocated); the failures."""
-    problems = []
-
-    def run(sources):
-        for x, (move, slot, shape) in zip(sources, checks, strict=True):
-            try:
-                transform(move, x, slot, shape)
-            except (ValueError, TypeError, IndexError) as exc:
-                problems.append(f"{move.source} {move.shape} -> {slot.leaf} {shape}: {exc}")
-
-    jax.eval_shape(run, [jax.ShapeDtypeStruct(move.shape, np.float32) for move, _, _ in checks])
-    return problems
-
-
-def plan(config, leaf_shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[Move, list[Slot]]]:
-    """Each move with the slots it fills in a tree with these leaves (LoRA leaves excluded).
-
-    Raises ``ValueError`` if a leaf is reached by no move, a move reaches no leaf, or a move's
-    transform does not give its leaf's shape.
-    """
-    planned, covered, problems, checks = [], set(), [], []
-    for move in moves(config):
-        slots = [Slot(move.target)]
-        if move.stacked:
-            scanned = move.target.replace("." + LAYER, "")
-            if scanned in leaf_shapes:
-                slots = [Slot(scanned)]
-            else:
-                slots = [Slot(move.target.replace(LAYER, str(i)), i) for i in range(move.shape[0])]
-        for slot in slots:
-            if slot.leaf in leaf_shapes:
-                covered.add(slot.leaf)
-                checks.append((move, slot, tuple(leaf_shapes[slot.leaf])))
-            else:
-                problems.append(f"{move.source} -> {slot.leaf}: no such leaf")
-        planned.append((move, slots))
-    problems += _shape_problems(checks)
-    uncovered = sorted(k for k in set(leaf_shapes) - covered if not PI05_LAYOUT.is_model_only(k))
-    if uncovered:
-        problems.append(f"no openpi leaf for: {format_names(uncovered)}")
-    if problems:
-        raise ValueError("openpi layout does not fit the model:\n  " + "\n  ".join(problems))
-    return planned
+def plan(config, leaf_shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[Rule, list[Slot]]]:
+    """Each rule with the slots it fills in a tree with these leaves (LoRA leaves excluded);
+    ``ValueError`` when a leaf is reached by none or a transform does not give its leaf's shape."""
+    return assign_slots(layout(config), leaf_shapes)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -339,34 +261,6 @@ class OpenpiCheckpoint:
         return [b for b in batches if b]
 
 
-def check_checkpoint(ckpt: OpenpiCheckpoint, planned: list[tuple[Move, list[Slot]]]) -> None:
-    """Raise ``WeightMismatchError`` listing every missing, unexpected and mis-shaped openpi leaf."""
-    expected = {move.source: move.shape for move, _ in planned}
-    present = set(ckpt.names())
-    missing = [n for n in expected if n not in present]
-    unexpected = sorted(present - set(expected))
-    misshaped = [
-        f"{n}: checkpoint {ckpt.shape(n)}, model expects {s}"
-        for n, s in expected.items()
-        if n in present and ckpt.shape(n) != s
-    ]
-    if missing or unexpected or misshaped:
-        lines = [f"openpi checkpoint {ckpt.path} does not match the model:"]
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
-            if names:
-                lines.append(f"  {label} ({len(names)}): {format_names(names)}")
-        raise WeightMismatchError("\n".join(lines))
-
-
-def _concrete(sharding, mesh):
-    """A NamedSharding over an abstract mesh (what eval_shape records) made concrete on ``mesh``."""
-    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh):
-        if mesh is None:
-            raise ValueError("openpi import: the target shardings use an abstract mesh; pass mesh=")
-        return jax.sharding.NamedSharding(mesh, sharding.spec)
-    return sharding
-
-
 def import_params(src, config, abstract_params: Any, shardings: Any = None, *, mesh=None) -> dict:
     """Read openpi's params item at ``src`` into a nested dict of ``jax.Array`` like ``abstract_params``.
 
@@ -375,27 +269,31 @@ def import_params(src, config, abstract_params: Any, shardings: Any = None, *, m
     ``nnx.State`` of ``ShapeDtypeStruct``s; default sharding: each leaf's own, else the first
     device; shardings over an abstract mesh are placed on ``mesh``). LoRA leaves are left out.
     """
+    lay = layout(config)
     flat, keys = flatten_params(abstract_params)
-    flat = {k: v for k, v in flat.items() if not PI05_LAYOUT.is_model_only(k)}
+    flat = {k: v for k, v in flat.items() if not lay.is_model_only(k)}
     flat_shardings = flatten_params(shardings)[0] if shardings is not None else {}
-    planned = plan(config, {k: tuple(v.shape) for k, v in flat.items()})
+    entries = plan_entries(lay, {k: tuple(v.shape) for k, v in flat.items()})
     ckpt = OpenpiCheckpoint(src)
-    check_checkpoint(ckpt, planned)
+    names = {name: ckpt.shape(name) for name in ckpt.names()}
+    chosen, _ = check_names(f"openpi checkpoint {ckpt.path}", names, entries, lay)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    by_source: dict[str, list[tuple[Move, Slot]]] = {}
-    for move, slots in planned:
-        by_source.setdefault(move.source, []).extend((move, slot) for slot in slots)
+    by_source: dict[str, list] = {}
+    for entry in chosen.values():
+        by_source.setdefault(entry.upstream, []).append(entry)
     out = {}
     for batch in ckpt.batches(list(by_source)):
         sources = ckpt.read(batch)
         for name in batch:
-            for move, slot in by_source[name]:
-                abstract = flat[slot.leaf]
+            for entry in by_source[name]:
+                abstract = flat[entry.leaf]
                 shape, dtype = tuple(abstract.shape), np.dtype(abstract.dtype)
-                value = transform(move, sources[name], slot, shape)  # a view of the source where the layout allows
-                sharding = flat_shardings.get(slot.leaf) or getattr(abstract, "sharding", None) or default
-                out[slot.leaf] = jax.make_array_from_callback(
-                    shape, _concrete(sharding, mesh), lambda index, v=value, t=dtype: np.ascontiguousarray(v[index], t)
+                value = transform(entry.rule, sources[name], entry.slot, shape)  # a view where the layout allows
+                sharding = flat_shardings.get(entry.leaf) or getattr(abstract, "sharding", None) or default
+                out[entry.leaf] = jax.make_array_from_callback(
+                    shape,
+                    concrete_sharding(sharding, mesh),
+                    lambda index, v=value, t=dtype: np.ascontiguousarray(v[index], t),
                 )
         del sources, value
     log.info("openpi import: %d leaves from %s", len(out), ckpt.path)

@@ -32,9 +32,9 @@ import numpy as np
 from embodied_jax.models.weights.layout import (
     Entry,
     Layout,
-    WeightMismatchError,
+    check_names,
+    concrete_sharding,
     flatten_params,
-    format_names,
     plan,
     unflatten_params,
 )
@@ -133,35 +133,8 @@ class CheckpointReader:
 
 def check_checkpoint(reader: CheckpointReader, layout: Layout, entries: list[Entry]) -> tuple[dict, list[str]]:
     """Match checkpoint names to entries; return ({slot: chosen entry}, ignored names) or raise."""
-    by_name: dict[str, Entry] = {}
-    for e in entries:
-        by_name.setdefault(e.upstream, e)
-    present = set(reader.names())
-    unexpected, ignored, misshaped = [], [], []
-    chosen: dict[tuple[str, int | None], Entry] = {}
-    for name in reader.names():
-        entry = by_name.get(name)
-        if entry is None:
-            (ignored if layout.is_ignored(name) else unexpected).append(name)
-            continue
-        got = reader.shape(name)
-        if got != entry.upstream_shape:
-            misshaped.append(f"{name}: checkpoint {got}, model expects {entry.upstream_shape} (leaf {entry.leaf})")
-            continue
-    for e in entries:  # the first present rule wins per slot (canonical before aliases)
-        if e.upstream in present and e.slot not in chosen:
-            chosen[e.slot] = e
-    missing = [e.upstream for e in entries if e.canonical and e.slot not in chosen]
-    if missing or unexpected or misshaped:
-        lines = [f"{layout.name} checkpoint {reader.src} does not match the model:"]
-        if missing:
-            lines.append(f"  missing ({len(missing)}): {format_names(missing)}")
-        if unexpected:
-            lines.append(f"  unexpected ({len(unexpected)}): {format_names(unexpected)}")
-        if misshaped:
-            lines.append(f"  mis-shaped ({len(misshaped)}): {format_names(misshaped)}")
-        raise WeightMismatchError("\n".join(lines))
-    return chosen, ignored
+    names = {name: tuple(reader.shape(name)) for name in reader.names()}
+    return check_names(f"{layout.name} checkpoint {reader.src}", names, entries, layout)
 
 
 def _source_index(index: tuple[slice, ...], perm: tuple[int, ...] | None) -> tuple[slice, ...]:
@@ -200,15 +173,6 @@ def _leaf_callback(reader, leaf_entries: dict[int | None, Entry], shape, dtype):
     return callback
 
 
-def _concrete(sharding, mesh):
-    """A NamedSharding over an abstract mesh (what eval_shape records) made concrete on ``mesh``."""
-    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh):
-        if mesh is None:
-            raise ValueError("import_checkpoint: the target shardings use an abstract mesh; pass mesh=")
-        return jax.sharding.NamedSharding(mesh, sharding.spec)
-    return sharding
-
-
 def import_checkpoint(src, layout: Layout, abstract_params: Any, shardings: Any = None, *, mesh=None) -> dict:
     """Read ``src`` into a nested dict of ``jax.Array`` matching ``abstract_params``.
 
@@ -235,7 +199,7 @@ def import_checkpoint(src, layout: Layout, abstract_params: Any, shardings: Any 
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     for leaf, abstract in flat.items():
         shape, dtype = tuple(abstract.shape), np.dtype(abstract.dtype)
-        sharding = _concrete(flat_shardings.get(leaf) or getattr(abstract, "sharding", None) or default, mesh)
+        sharding = concrete_sharding(flat_shardings.get(leaf) or getattr(abstract, "sharding", None) or default, mesh)
         callback = _leaf_callback(reader, by_leaf[leaf], shape, dtype)
         out[leaf] = jax.make_array_from_callback(shape, sharding, callback)
     return unflatten_params(out, keys)
