@@ -2,7 +2,7 @@
 
 - Every TSV row (minus the ignore list) is a leaf slot of identical shape under ``eval_shape`` of
   the full config, and every leaf maps back to a row, for scanned and unscanned stacks; the
-  parameter count is the issue's 3,353,433,872.
+  parameter count is the published checkpoint's 3,353,433,872.
 - A tiny upstream-named checkpoint round-trips bit-identically (safetensors -> NNX -> safetensors,
   and through the Orbax CKPT_DIR of ``convert``), the ignored tensor only with ``like=``.
 - A renamed, a missing and a mis-shaped tensor give an error naming each one.

@@ -1,6 +1,6 @@
 """LeRobot's GR00T-N1.5 training step at the ``gr00t_bench`` sizes, timed in PyTorch on this machine.
 
-The issue's comparison scales LeRobot's recorded step times by a matmul rate; this script
+Comparing with LeRobot by scaling its recorded step times by a matmul rate is indirect; this script
 measures LeRobot itself on the same CPU, in the same sitting as ``train_step gr00t_bench``.
 It is not part of the project's environment (no torch in the core install): run it as a
 script with the Python of a separate virtual environment, e.g.
