@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from experiments.benchmarks.harness import RESULTS
 from experiments.benchmarks.report import setting
+from experiments.record import command_overrides
 
 HEARTBEAT_S = 30.0
 
@@ -22,7 +23,7 @@ def expected_duration(name: str, overrides: list[str] | None = None, results: pa
     """The latest clean row in ``results/<name>.jsonl`` of this command's setting (its overrides
     less the training seed, run directory and bookkeeping flags, ``report.setting``): its wall time,
     its split, its machine and whether other work shared the machine; or that there is none yet."""
-    wanted = setting(list(sys.argv[2:] if overrides is None else overrides))
+    wanted = setting(list(command_overrides(sys.argv[1:]) if overrides is None else overrides))
     path = results / f"{name}.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     same = [r for r in rows if r.get("clean") and setting(r.get("overrides", [])) == wanted]

@@ -22,6 +22,11 @@ from experiments.benchmarks.harness import RESULTS, ROOT
 config_hash = records.config_hash
 
 
+def command_overrides(argv: list[str]) -> list[str]:
+    """The launcher's arguments after the experiment's name (none given: the default experiment's)."""
+    return argv[1:] if argv and not argv[0].startswith("-") else list(argv)
+
+
 def success_row(
     name: str,
     config: Any,
@@ -32,7 +37,7 @@ def success_row(
     overrides: list[str] | None = None,
     shared_machine: bool = False,
 ) -> dict[str, Any]:
-    overrides = list(sys.argv[2:] if overrides is None else overrides)
+    overrides = list(command_overrides(sys.argv[1:]) if overrides is None else overrides)
     return records.row(
         name,
         root=ROOT,

@@ -233,6 +233,9 @@ def test_a_success_row_from_uncommitted_changes_is_marked_and_left_out_of_the_ta
         )
     )
     assert rows[0]["overrides"] == ["--train.steps", "5"] and rows[0]["seeds"] == {"training": 0, "test": 1}
+    # From the command line: the flags after the experiment's name, all of them when none is given.
+    assert record.command_overrides(["demo", "--task", "reach", "--record"]) == ["--task", "reach", "--record"]
+    assert record.command_overrides(["--task", "reach", "--record"]) == ["--task", "reach", "--record"]
     assert rows[0]["wall_s"] == {"collection": 1.0, "training": 2.0, "evaluation": 3.0}
     assert rows[0]["machine"]["shared"] is False
     shown = report.latest_runs(tmp_path)["toy_success"]
