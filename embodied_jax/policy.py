@@ -123,6 +123,12 @@ class Policy(Protocol):
         ``states`` [num_steps + 1, B, ...] and per-element ``log_density``), and ``chain_log_prob``."""
         ...
 
+    def action_features(self, observation: Batch) -> jax.Array:
+        """[B, F]: what the action expert makes of an observation, deterministically (its velocity at
+        the start of sampling from a zero chunk): the input of a value head on the action expert
+        (reinforcement learning's ``RLConfig.expert_features``)."""
+        ...
+
     def chain_log_prob(
         self, observation: Batch, states: jax.Array, sde: Any, *, num_steps: int | None = None
     ) -> jax.Array:

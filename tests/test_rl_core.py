@@ -253,3 +253,35 @@ def test_a_run_that_falls_below_its_start_three_evaluations_in_a_row_stops_and_s
     assert "fell below the start's 50.0% in 3 evaluations in a row" in result.stopped
     assert result.evaluation["success_rate"] == 0.2
     assert (tmp_path / "rl" / "checkpoints" / "5").is_dir()
+
+
+def test_a_value_head_on_the_expert_reads_its_features_of_the_observation_in_both_rollouts(toy_start):
+    """``expert_features``: the critic's input is the robot and privileged state, then the action
+    expert's features of the same observation (deterministic: no sampling noise in them, no gradient
+    to the policy), alike in the in-program and the host-stepped rollout."""
+    from embodied_jax.rl.host_rollout import JaxHostEnvs, make_host_rollout
+
+    _, st = toy_start
+    base = rollout_lib.critic_width(st.env)
+    extra = rollout_lib.expert_width(st.agent, st.params, rollout_lib.observation_example(st.env))
+    model = st.agent.merge(st.params)
+    assert extra == model.config.horizon * model.config.action_dim
+    critic, critic_params = critic_functions(base + extra, 32, 0)
+    decisions = rollout_lib.decisions_per_episode(st.env.episode_limit, 4)
+    spec = rollout_lib.RolloutSpec(64, 4, decisions, shaping=0.2, expert_features=True)
+    with st.rt.context():
+        got = jax.device_get(
+            rollout_lib.make_rollout(st.env, st.agent, critic, spec)(st.params, critic_params, jax.random.key(5))
+        )
+    assert got.critic_input.shape == (decisions, 64, base + extra)
+    observation = jax.tree.map(lambda x: x[0], got.model_observation)
+    want = model.action_features(observation)
+    np.testing.assert_allclose(got.critic_input[0, :, base:], want, rtol=1e-5, atol=1e-6)
+    features = st.agent.features(st.params, observation)
+    grads = jax.grad(lambda p: st.agent.features(p, observation).sum())(st.params)
+    assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads))  # a value head moves no policy weight
+    np.testing.assert_array_equal(features, st.agent.features(st.params, observation))
+    host = make_host_rollout(JaxHostEnvs(st.env, 64), st.agent, critic, spec)(
+        st.params, critic_params, jax.random.key(5)
+    )
+    np.testing.assert_allclose(np.asarray(host.critic_input), got.critic_input, rtol=1e-5, atol=1e-5)

@@ -121,3 +121,33 @@ def test_the_critics_scale_follows_the_returns_and_gets_no_gradient():
     np.testing.assert_allclose(critic(params, x, progress), [25.0, 25.0])
     grads = jax.grad(lambda p: critic(p, x, progress).sum())(params)
     assert float(grads["shift"]) == 0.0 and float(grads["scale"]) == 0.0
+
+
+@pytest.mark.parametrize("family", ["pi05", "gr00t"])
+def test_the_action_features_are_the_samplers_first_velocity_from_a_zero_chunk(family):
+    """``Policy.action_features`` (a value head's input): the velocity the sampler's first step
+    computes when it starts from a zero chunk, flattened; the same on every call."""
+    from flax import nnx
+
+    if family == "pi05":
+        from embodied_jax.models.pi05.variants import variant
+    else:
+        from embodied_jax.models.gr00t.variants import variant
+    config = variant("tiny")
+    with nnx.use_eager_sharding(False):  # one device, no mesh: the parameters unsharded
+        model = config.make(nnx.Rngs(0))
+    # Random weights everywhere (the output projections start at zero, which would make any check pass).
+    params = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(0)
+    nnx.update(model, jax.tree.unflatten(treedef, [0.1 * rng.standard_normal(x.shape).astype(x.dtype) for x in leaves]))
+    batch = config.synthetic_batch(2, seed=1)
+    observation = {k: v for k, v in batch.items() if k not in ("actions", "action_mask", "action_dim_mask")}
+    features_of = nnx.jit(lambda m, o: m.action_features(o))
+    features = np.asarray(features_of(model, observation))
+    shape = model.sample_actions(observation, jax.random.key(0), trace=True).states.shape
+    trace = model.sample_actions(observation, jax.random.key(0), noise=np.zeros(shape[1:], np.float32), trace=True)
+    first = np.asarray(trace.velocities[0]).reshape(2, -1)
+    assert features.shape == first.shape and np.abs(features).max() > 0
+    np.testing.assert_allclose(features, first, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(features, np.asarray(features_of(model, observation)))  # no sampling in them

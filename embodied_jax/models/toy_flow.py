@@ -96,6 +96,11 @@ class ToyFlowPolicy(nnx.Module):
         x = jax.random.normal(rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
         return flow.sample(self, velocity, x, schedule, trace=trace, sde=sde, rng=k_sde)
 
+    def action_features(self, observation):
+        """[B, horizon * action_dim]: the velocity at t = 1 from a zero chunk (a value head's input)."""
+        velocity, _, shape = self._flow(observation, None)
+        return velocity(self, jnp.zeros(shape, jnp.float32), 0).reshape(shape[0], -1)
+
     def chain_log_prob(self, observation, states, sde, *, num_steps=None):
         """log-probability [B] of a sampled chain ``states`` [num_steps + 1, B, horizon, action_dim] under ``sde``."""
         velocity, schedule, _ = self._flow(observation, num_steps)

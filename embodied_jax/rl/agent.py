@@ -7,7 +7,9 @@ trainable ``params``, its other state closed over) and two functions of those ``
   through Flow-SDE (``nn/flow.py``), the chain of intermediate states and its log-probability,
   with the model's observation it was sampled from (kept for the update);
 - ``log_prob(params, model_observation, chain) -> [B]``: the chain's log-probability under
-  ``params`` (the model's ``chain_log_prob``).
+  ``params`` (the model's ``chain_log_prob``);
+- ``features(params, model_observation) -> [B, F]``: the action expert's features, for a value
+  head on the expert (``RLConfig.expert_features``).
 
 ``observe`` turns the simulator's observation ({"state", "images"}, jnp) into the model's inputs
 and ``act`` the model's normalised chunk into robot actions, both inside the program: for a
@@ -50,6 +52,11 @@ class FlowAgent:
         actions = self.act(trace.actions, observation["state"])
         chain = jax.numpy.moveaxis(trace.states, 0, 1)
         return Decision(actions, chain, flow.chunk_log_prob(trace.log_density), model_obs)
+
+    def features(self, params, model_observation: Any) -> jax.Array:
+        """[B, F] the action expert's features of the observations (``Policy.action_features``), with
+        no gradient to the policy: what a value head on the expert reads."""
+        return jax.lax.stop_gradient(self.merge(params).action_features(model_observation))
 
     def log_prob(self, params, model_observation: Any, chain: jax.Array) -> jax.Array:
         states = jax.numpy.moveaxis(chain, 1, 0)

@@ -41,6 +41,9 @@ class RLConfig:
     policy_lr: float = 1e-5
     critic_lr: float = 1e-3
     privileged_critic: bool = True  # the critic sees the simulator's privileged state (never deployed)
+    # The critic also reads the action expert's features of the policy's observation (a value head on
+    # the expert, as πRL's: Policy.action_features, computed with the rollout's weights, no gradient).
+    expert_features: bool = False
     max_grad_norm: float = 1.0
     critic_width: int = 128
     checkpoint_every: int = 5  # iterations (and at the end, and on SIGTERM)

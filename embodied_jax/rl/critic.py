@@ -3,8 +3,10 @@
 The input is the robot state and, by default, the simulator's privileged state (objects' and
 goal's poses, latched facts: ``rollout.critic_input``): what decides success on a manipulation
 task is where the object is, which the policy sees only in its images. The critic is never
-deployed, so nothing privileged reaches the policy. A separate network rather than a head on
-the policy's features: it costs nothing next to the policy's forward pass (``docs/rl.md``).
+deployed, so nothing privileged reaches the policy. A separate network: it costs nothing next to
+the policy's forward pass (``docs/rl.md``). With ``RLConfig.expert_features`` its input also holds
+the action expert's features of the policy's observation (``Policy.action_features``, no gradient
+to the policy): a value head on the expert, as πRL has, beside the privileged state.
 """
 
 from __future__ import annotations

@@ -108,7 +108,9 @@ def make_host_rollout(
     def decide(params, critic_params, obs, features, progress, k_policy, r):
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(k_policy, r), i))(jnp.arange(n))
         decision = jax.vmap(sample_row, in_axes=(None, 0, 0))(params, obs, keys)
-        return decision, critic(critic_params, features, progress)
+        if spec.expert_features:
+            features = jnp.concatenate([features, agent.features(params, decision.model_observation)], -1)
+        return decision, critic(critic_params, features, progress), features
 
     def rollout(params, critic_params, key):
         k_reset, k_policy = jax.random.split(key)
@@ -120,7 +122,7 @@ def make_host_rollout(
             robot = np.asarray(obs["state"], np.float32)
             features = robot if not spec.privileged_critic else np.concatenate([robot, envs.privileged_state()], -1)
             progress = np.full((n,), r / spec.decisions, np.float32)
-            decision, value = decide(params, critic_params, obs, features, progress, k_policy, r)
+            decision, value, features = decide(params, critic_params, obs, features, progress, k_policy, r)
             was_done, had_success = envs.done.copy(), envs.success.copy()
             actions = np.asarray(decision.actions)
             dense = np.zeros(n, np.float32)

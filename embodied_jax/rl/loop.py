@@ -62,6 +62,14 @@ class RLResult:
     stopped: str | None = None  # why the run ended before ``rl.iterations`` (time, a fall below the start)
 
 
+def _observation_example(st) -> dict[str, Any]:
+    """One observation of the run's environments (abstract, or a reset's for host-stepped ones)."""
+    if not st.host_stepped:
+        return rollout_lib.observation_example(st.env)
+    st.env.reset(jax.random.key(0), np.arange(st.env.num_envs))
+    return st.env.observe()
+
+
 def critic_functions(state_dim: int, width: int, seed: int):
     """``(critic(params, state, progress), params)``: params ``{"net", "shift", "scale"}``, the network
     predicting the value in units of the returns' running scale (``value_stats``): value = net *
@@ -181,11 +189,14 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             shaping=rl.shaping,
             groups=rl.groups if rl.advantage == "grpo" else None,
             privileged_critic=rl.privileged_critic,
+            expert_features=rl.expert_features,
         )
         if st.host_stepped:
             critic_in = host_rollout.critic_width(st.env, rl.privileged_critic)
         else:
             critic_in = rollout_lib.critic_width(st.env, rl.privileged_critic)
+        if rl.expert_features:
+            critic_in += rollout_lib.expert_width(st.agent, st.params, _observation_example(st))
         critic, critic_params = critic_functions(critic_in, rl.critic_width, rl.seed)
         policy_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.policy_lr))
         critic_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.critic_lr))

@@ -59,6 +59,7 @@ class RolloutSpec:
     shaping: float = 0.0
     groups: int | None = None
     privileged_critic: bool = True  # the critic also sees env.privileged_state
+    expert_features: bool = False  # the critic also reads the agent's features of the observation
 
 
 def critic_input(env: Any, states: Any, robot_state: jax.Array, privileged: bool) -> jax.Array:
@@ -76,6 +77,16 @@ def critic_width(env: Any, privileged: bool = True) -> int:
         return critic_input(env, states, env.robot_state(states), privileged)
 
     return int(jax.eval_shape(features, jax.random.key(0)).shape[-1])
+
+
+def observation_example(env: Any) -> dict[str, Any]:
+    """The abstract observation (``jax.ShapeDtypeStruct``s) of one world of ``env``."""
+    return jax.eval_shape(lambda key: env.observe(jax.vmap(env.reset)(key[None])), jax.random.key(0))
+
+
+def expert_width(agent: FlowAgent, params: Any, observation: dict[str, Any]) -> int:
+    """The width of ``agent.features`` for an observation like ``observation`` (abstractly)."""
+    return int(jax.eval_shape(lambda p, o: agent.features(p, agent.observe(o)), params, observation).shape[-1])
 
 
 def decisions_per_episode(episode_limit: int, execute_steps: int) -> int:
@@ -120,6 +131,8 @@ def make_rollout(
             decision = jax.vmap(sample_row, in_axes=(None, 0, 0))(params, obs, keys)
             progress = jnp.full((local,), r / decisions, jnp.float32)
             features = critic_input(env, states, obs["state"], spec.privileged_critic)
+            if spec.expert_features:
+                features = jnp.concatenate([features, agent.features(params, decision.model_observation)], -1)
             value = critic(critic_params, features, progress)
             before = states
 

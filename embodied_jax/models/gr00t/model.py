@@ -196,6 +196,12 @@ class Gr00tPolicy(nnx.Module):
             guidance = flow.Guidance(y, w, max_guidance)
         return flow.sample(self.action_head, velocity, x, schedule, guidance=guidance, trace=trace, sde=sde, rng=k_sde)
 
+    def action_features(self, observation):
+        """[B, horizon * action_dim]: the action head's velocity at the start of sampling (t=0) from a
+        zero chunk, a deterministic function of the observation (a value head's input)."""
+        velocity, _, shape = self._flow(observation, None)
+        return velocity(self.action_head, jnp.zeros(shape, jnp.float32), 0).reshape(shape[0], -1)
+
     def chain_log_prob(self, observation, states, sde, *, num_steps=None):
         """log-probability [B] under ``sde`` of a sampled chain ``states`` [num_steps + 1, B, horizon,
         action_dim] (a ``FlowTrace``'s): the sum of its stochastic steps' Gaussian densities."""

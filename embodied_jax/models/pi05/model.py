@@ -354,6 +354,12 @@ class Pi05Policy(nnx.Module):
             return flow.FlowTrace(actions, out.states[:, :, 0], out.velocities[:, :, 0], density)
         return out[:, 0, :, : config.action_dim]
 
+    def action_features(self, observation):
+        """[B, horizon * max_action_dim]: the action expert's velocity at the start of sampling (t=1)
+        from a zero chunk, a deterministic function of the observation (a value head's input)."""
+        velocity, _, shape = self._flow(observation, None)
+        return velocity(self, jnp.zeros(shape, jnp.float32), 0).reshape(shape[0], -1)
+
     def chain_log_prob(self, observation, states, sde, *, num_steps=None):
         """log-probability [B] under ``sde`` of a sampled chain ``states`` [num_steps + 1, B, horizon,
         max_action_dim] (a ``FlowTrace``'s): its stochastic steps' densities over the real dims."""
