@@ -246,24 +246,21 @@ def _shape_problems(checks: list[tuple[Rule, Slot, tuple[int, ...]]]) -> list[st
     return problems
 
 
-def assign(layout: Layout, leaf_shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[Rule, list[Slot]]]:
-    """Each rule with the slots it fills in a tree with these leaves (leaves matching
-    ``layout.model_only`` need none).
-
-    Raises ``ValueError`` naming every leaf no rule reaches, every stacked rule that reaches a leaf
-    the tree lacks, and every stated shape whose transform does not give its leaf's shape."""
-    assigned, covered, problems, checks = [], set(), [], []
+def _expand(
+    layout: Layout, leaf_shapes: Mapping[str, tuple[int, ...]]
+) -> list[tuple[Rule, Slot, str, tuple[int, ...]]]:
+    """(rule, slot, checkpoint name, slot shape) of every slot the layout fills in a tree with these
+    leaves, in rule order; ``ValueError`` as ``assign`` says."""
+    expanded, covered, problems, checks = [], set(), [], []
     for rule in layout.rules:
-        slots = []
-        for slot, _, shape in _slots(rule, leaf_shapes):
+        for slot, name, shape in _slots(rule, leaf_shapes):
             if slot.leaf not in leaf_shapes:
                 problems.append(f"{rule.source} -> {slot.leaf}: no such leaf")
                 continue
-            slots.append(slot)
+            expanded.append((rule, slot, name, shape))
             covered.add(slot.leaf)
             if rule.shape is not None:
                 checks.append((rule, slot, shape))
-        assigned.append((rule, slots))
     if checks:
         problems += _shape_problems(checks)
     uncovered = sorted(k for k in set(leaf_shapes) - covered if not layout.is_model_only(k))
@@ -271,26 +268,33 @@ def assign(layout: Layout, leaf_shapes: Mapping[str, tuple[int, ...]]) -> list[t
         problems.append(f"layout {layout.name!r} has no rule for leaves: {format_names(uncovered)}")
     if problems:
         raise ValueError(f"layout {layout.name!r} does not fit the model:\n  " + "\n  ".join(problems))
-    return assigned
+    return expanded
+
+
+def assign(layout: Layout, leaf_shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[Rule, list[Slot]]]:
+    """Each rule with the slots it fills in a tree with these leaves (leaves matching
+    ``layout.model_only`` need none).
+
+    Raises ``ValueError`` naming every leaf no rule reaches, every stacked rule that reaches a leaf
+    the tree lacks, and every stated shape whose transform does not give its leaf's shape."""
+    slots: dict[int, list[Slot]] = {id(rule): [] for rule in layout.rules}
+    for rule, slot, _, _ in _expand(layout, leaf_shapes):
+        slots[id(rule)].append(slot)
+    return [(rule, slots[id(rule)]) for rule in layout.rules]
 
 
 def plan(layout: Layout, leaf_shapes: Mapping[str, tuple[int, ...]]) -> list[Entry]:
     """Every (checkpoint name, slot) pair the layout defines for a tree with these leaves, with both
     shapes; the first rule of a slot is canonical. Raises as ``assign``."""
-    slot_rules = {(rule, slot) for rule, slots in assign(layout, leaf_shapes) for slot in slots}
     entries: list[Entry] = []
     seen: set[tuple[str, int | None]] = set()
-    for rule in layout.rules:
-        for slot, name, shape in _slots(rule, leaf_shapes):
-            if (rule, slot) not in slot_rules:
-                continue
-            key = (slot.leaf, slot.layer)
-            source_shape = rule.shape if rule.shape is not None else _upstream_shape(shape, rule.transpose)
-            canonical = key not in seen
-            entries.append(
-                Entry(name, slot.leaf, slot.layer, rule.transpose, tuple(source_shape), canonical, rule, slot, shape)
-            )
-            seen.add(key)
+    for rule, slot, name, shape in _expand(layout, leaf_shapes):
+        key = (slot.leaf, slot.layer)
+        source_shape = rule.shape if rule.shape is not None else _upstream_shape(shape, rule.transpose)
+        entries.append(
+            Entry(name, slot.leaf, slot.layer, rule.transpose, tuple(source_shape), key not in seen, rule, slot, shape)
+        )
+        seen.add(key)
     return entries
 
 
