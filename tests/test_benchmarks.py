@@ -265,8 +265,8 @@ def test_runs_that_differ_only_in_the_training_seed_are_reported_together(tmp_pa
 
     monkeypatch.setattr(records, "machine", lambda: {"cpu": "test cpu", "cores": 2, "backend": "cpu"})
     runs = [
-        ("abc", 0, 0.8, []),
-        ("abc", 1, 0.9, []),
+        ("abc", 0, 0.8, ["--checkpoint.save-every", "250"]),  # checkpoint cadence: the same setting
+        ("abc", 1, 0.9, ["--checkpoint.keep-last=9"]),
         ("abc", 2, 0.7, []),
         ("abc-dirty", 3, 0.1, []),
         ("abc", 0, 0.2, ["--x"]),

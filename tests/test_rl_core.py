@@ -115,6 +115,11 @@ def test_model_chain_log_prob_equals_the_sampled_one_and_only_stochastic_steps_c
     np.testing.assert_allclose(trace.states[2], euler, rtol=1e-6, atol=1e-6)
     recomputed = model.chain_log_prob(obs, trace.states, sde)
     np.testing.assert_allclose(recomputed, flow.chunk_log_prob(trace.log_density), rtol=1e-5, atol=1e-3)
+    # Counting the first 2 positions of the chunk: the same chain's densities there, none elsewhere.
+    executed = sde._replace(counted_positions=2)
+    np.testing.assert_allclose(
+        model.chain_log_prob(obs, trace.states, executed), density[:, :, :2].sum(axis=(0, 2, 3)), rtol=1e-5, atol=1e-3
+    )
 
 
 def _numpy_gae(rewards, values, terminal, active, last_value, gamma, lam):

@@ -65,10 +65,16 @@ class Guidance(NamedTuple):
 
 class FlowSDE(NamedTuple):
     """Which Euler steps become stochastic and how much: ``noise_level`` is ``a`` of the module
-    docstring; ``stochastic_steps``: step indices (None: every step)."""
+    docstring; ``stochastic_steps``: step indices (None: every step). ``counted_positions``: how many
+    leading positions of the chunk (the axis before the action dims) count in the log-density, e.g.
+    the actions a robot executes of each chunk (None: all). Every position is still sampled with
+    noise; the others' noise is treated as the sampler's own randomness, which drops from the
+    likelihood ratio the terms of actions that never reach the robot (a lower-variance estimate
+    that ignores their slight influence, through attention, on the counted positions' later steps)."""
 
     noise_level: float = 0.5
     stochastic_steps: tuple[int, ...] | None = None
+    counted_positions: int | None = None
 
     def mask(self, num_steps: int) -> jax.Array:
         """float32 [num_steps]: 1 where the step is stochastic."""
@@ -118,7 +124,10 @@ def _log_density_at(schedule, sde, steps, before, velocities, after):
         mean, std = _sde_step(schedule, sde, i, x, v)
         safe = jnp.where(std > 0, std, 1.0)
         logp = -0.5 * jnp.square((y - mean) / safe) - jnp.log(safe) - 0.5 * jnp.log(2.0 * jnp.pi)
-        return jnp.where(std > 0, logp, 0.0)
+        logp = jnp.where(std > 0, logp, 0.0)
+        if sde.counted_positions is not None:
+            logp = logp * (jnp.arange(y.shape[-2]) < sde.counted_positions)[:, None].astype(logp.dtype)
+        return logp
 
     return jax.vmap(one)(steps, before, velocities, after)
 

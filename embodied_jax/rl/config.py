@@ -27,6 +27,9 @@ class RLConfig:
     noise_level: float = 0.5
     stochastic_steps: tuple[int, ...] | None = None
     num_inference_steps: int | None = None  # the sampler's steps (None: the model's own)
+    # Only the executed actions of each chunk (its first execute_steps) count in the likelihood ratio:
+    # with k = 1 of a horizon of 8, seven eighths of the chunk's densities never reach the robot.
+    executed_log_prob: bool = False
     gamma: float = 0.99  # per decision
     lam: float = 0.95
     advantage: str = "gae"  # "gae" (critic) or "grpo" (group-normalised episode success)

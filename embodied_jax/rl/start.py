@@ -66,8 +66,11 @@ class Start:
         return PolicyBundle(self.base, model, self.norm_stats, step=self.bundle.step if self.bundle else 0)
 
 
-def _sde(config: RLExperimentConfig) -> flow.FlowSDE:
-    return flow.FlowSDE(config.rl.noise_level, config.rl.stochastic_steps)
+def _sde(config: RLExperimentConfig, execute_steps: int) -> flow.FlowSDE:
+    """The rollout's Flow-SDE; with ``rl.executed_log_prob`` only the ``execute_steps`` executed
+    actions of each chunk count in its likelihood."""
+    counted = execute_steps if config.rl.executed_log_prob else None
+    return flow.FlowSDE(config.rl.noise_level, config.rl.stochastic_steps, counted)
 
 
 def _merge(rt: Runtime, state: TrainState):
@@ -103,8 +106,8 @@ def start(config: RLExperimentConfig, devices: list | None = None) -> Start:
 
     env = Env(task, EnvConfig(image_size=tuple(evaluation.image_size), phase_in_state=evaluation.phase_in_state))
     io = device_io(bundle, env.instruction)
-    agent = FlowAgent(_merge(rt, state), io.observe, io.act, _sde(config), config.rl.num_inference_steps)
     k = config.rl.execute_steps or evaluation.execute_steps
+    agent = FlowAgent(_merge(rt, state), io.observe, io.act, _sde(config, k), config.rl.num_inference_steps)
     if io.host_tokens:
         log.warning("the prompt's tokens come from a host callback in every rollout step (bundle/device_io.py)")
     scope = Scope.of(base.model, config.rl.train)
@@ -145,8 +148,8 @@ def _metaworld_start(config, base, rt, state, norm_stats, bundle, params) -> Sta
         rows = jnp.arange(observation["state"].shape[0])
         return jax.tree.map(lambda *xs: jnp.stack(xs)[observation["task_index"], rows], *per_task)
 
-    agent = FlowAgent(_merge(rt, state), observe, ios[0].act, _sde(config), config.rl.num_inference_steps)
     k = config.rl.execute_steps or evaluation.execute_steps
+    agent = FlowAgent(_merge(rt, state), observe, ios[0].act, _sde(config, k), config.rl.num_inference_steps)
     scope = Scope.of(base.model, config.rl.train)
     assets = asset_files(base.model)
     return Start(base, rt, state, norm_stats, envs, agent, params, assets, bundle, k, scope, host_stepped=True)
@@ -161,12 +164,13 @@ def _toy_start(config: RLExperimentConfig, devices: list) -> Start:
     env = toy.ToyReach()
     rt = build(config, devices)
     state = initial_state(rt)
+    k = config.rl.execute_steps or 4
     agent = FlowAgent(
         _merge(rt, state),
         observe=lambda obs: {"state": obs["state"]},
         act=lambda actions, state: actions,
-        sde=_sde(config),
+        sde=_sde(config, k),
         num_steps=config.rl.num_inference_steps,
     )
     scope = Scope.of(config.model, config.rl.train)
-    return Start(config, rt, state, {}, env, agent, state.params, {}, None, config.rl.execute_steps or 4, scope)
+    return Start(config, rt, state, {}, env, agent, state.params, {}, None, k, scope)

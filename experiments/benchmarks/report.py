@@ -122,20 +122,23 @@ def latest_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
     return out
 
 
-# Overrides that name where a run writes or how it is recorded, not what it measures.
+# Overrides that name where a run writes, how often it checkpoints or how it is recorded, not what it
+# measures (the flags with a value drop it too).
 _BOOKKEEPING = ("--record", "--shared-machine", "--metrics.no-progress-bar")
+_BOOKKEEPING_VALUED = ("--checkpoint.save-every", "--checkpoint.keep-last")
 _PER_RUN = ("--train.seed", "--workdir")  # flags with a value that differs between repeated runs
 
 
 def setting(overrides: list[str]) -> tuple[str, ...]:
-    """A learning row's overrides without its training seed, run directory and bookkeeping flags."""
+    """A learning row's overrides without its training seed, run directory, checkpoint cadence and
+    bookkeeping flags."""
     out, skip = [], False
     for flag in overrides:
         if skip:
             skip = False
             continue
         name = flag.split("=", 1)[0]
-        if name in _PER_RUN:
+        if name in _PER_RUN or name in _BOOKKEEPING_VALUED:
             skip = "=" not in flag
             continue
         if name not in _BOOKKEEPING:

@@ -53,7 +53,8 @@ class Flags:
     """default: runs/rl_vs_bc/<task>"""
     num_envs: int = 32
     """RL environments per rollout"""
-    policy_lr: float = 1e-4
+    policy_lr: float | None = None
+    """the RL arm's actor learning rate (default: RLConfig's)"""
     sequential: bool = False
     arms: tuple[Literal["rl", "bc"], ...] = ("rl", "bc")
     """the arms to run; an arm left out is evaluated from its workdir as an earlier run left it"""
@@ -155,7 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     rl_dir, bc_dir = out / "rl", out / "bc"
     rl_cmd = [sys.executable, "-m", "experiments.launch", f"rl_{args.task}", "--init-from", str(run)]
     rl_cmd += ["--workdir", str(rl_dir), "--rl.minutes", str(args.minutes), "--rl.iterations", "1000000"]
-    rl_cmd += ["--rl.eval-envs", "0", "--rl.num-envs", str(args.num_envs), "--rl.policy-lr", str(args.policy_lr)]
+    rl_cmd += ["--rl.eval-envs", "0", "--rl.num-envs", str(args.num_envs)]
+    if args.policy_lr is not None:
+        rl_cmd += ["--rl.policy-lr", str(args.policy_lr)]
     rl_cmd += ["--metrics.no-progress-bar", *args.rl_flags]
     bc_cmd = _bc_command(run, bc_dir)
 
