@@ -6,8 +6,8 @@ Two arms start from RUN's latest checkpoint and run for ``--minutes`` each:
 - **rl**: ``python -m experiments.launch rl_<task> --init-from RUN`` (PPO through Flow-SDE,
   ``embodied_jax/rl``) with ``--rl.minutes M``;
 - **bc**: the run's own supervised training resumed from that checkpoint (its optimizer, data
-  iterator and schedule) on the same demonstrations, ended by SIGTERM after M minutes (the
-  trainer saves a checkpoint and stops).
+  iterator and schedule; past the schedule's end, its final learning rate) on the same
+  demonstrations, ended by SIGTERM after M minutes (the trainer saves a checkpoint and stops).
 
 By default the arms run at the same time (each then has about half of the machine; ``--sequential``
 runs one after the other). Then the start, the RL and the BC policy are evaluated by
@@ -70,7 +70,9 @@ def _latest_step(run: pathlib.Path) -> int:
 
 
 def _bc_command(run: pathlib.Path, workdir: pathlib.Path) -> list[str]:
-    """The BC arm: the run's training resumed in ``workdir`` (a copy of its latest checkpoint)."""
+    """The BC arm: the run's training resumed in ``workdir`` (a copy of its latest checkpoint) on the
+    same demonstrations: its schedule to its end, then the schedule's final learning rate, until
+    SIGTERM (a run whose schedule had ended trains on at that rate)."""
     step = _latest_step(run)
     target = workdir / "checkpoints" / str(step)
     if not target.exists():
@@ -82,8 +84,12 @@ def _bc_command(run: pathlib.Path, workdir: pathlib.Path) -> list[str]:
         "from embodied_jax.train.config import MetricsConfig\n"
         f"meta = pathlib.Path({str(target)!r}) / 'config' / 'metadata'\n"
         "config = from_dict(json.loads(meta.read_text()))\n"
-        f"config = dataclasses.replace(config, workdir={str(workdir)!r},\n"
-        "    train=dataclasses.replace(config.train, eval_every=0),  # no evaluation inside the minutes\n"
+        "# The run's schedule to its end, then its final learning rate until the minutes are up (no\n"
+        "# evaluation inside the minutes; SIGTERM saves and stops).\n"
+        "optimizer = dataclasses.replace(config.optimizer,\n"
+        "    decay_steps=config.optimizer.decay_steps or config.train.steps)\n"
+        f"config = dataclasses.replace(config, workdir={str(workdir)!r}, optimizer=optimizer,\n"
+        f"    train=dataclasses.replace(config.train, eval_every=0, steps={step} + 10**7),\n"
         "    metrics=MetricsConfig(progress_bar=False, tensorboard=False))\n"
         "try:\n    train(config)\nexcept Preempted as e:\n    print('stopped:', e)\n"
     )
