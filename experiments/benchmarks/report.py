@@ -122,11 +122,11 @@ def latest_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
     return out
 
 
-# Overrides that name where a run writes, how often it checkpoints or how it is recorded, not what it
-# measures (the flags with a value drop it too).
+# Overrides that name how a run is recorded, not what it measures.
 _BOOKKEEPING = ("--record", "--shared-machine", "--metrics.no-progress-bar")
-_BOOKKEEPING_VALUED = ("--checkpoint.save-every", "--checkpoint.keep-last")
-_PER_RUN = ("--train.seed", "--workdir")  # flags with a value that differs between repeated runs
+# Flags whose value differs between repeated runs (seed, run directory) or only says how often a run
+# checkpoints; each is dropped with its value.
+_PER_RUN = ("--train.seed", "--workdir", "--checkpoint.save-every", "--checkpoint.keep-last")
 
 
 def setting(overrides: list[str]) -> tuple[str, ...]:
@@ -138,7 +138,7 @@ def setting(overrides: list[str]) -> tuple[str, ...]:
             skip = False
             continue
         name = flag.split("=", 1)[0]
-        if name in _PER_RUN or name in _BOOKKEEPING_VALUED:
+        if name in _PER_RUN:
             skip = "=" not in flag
             continue
         if name not in _BOOKKEEPING:
