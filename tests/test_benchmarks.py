@@ -48,6 +48,7 @@ def test_compare_steps_times_every_variant_in_one_process(capsys):
             {"run": "runs/mt10", "dataset": "DIR", "episodes": 4, "steps": 8},
         ),
         ("metaworld_frames", ["--sizes", "64", "480", "--frames", "5"], {"sizes": (64, 480), "frames": 5}),
+        ("metaworld_goal_views", ["--tasks", "reach", "--sizes", "64"], {"tasks": ("reach",), "sizes": (64,)}),
         (
             "metaworld_experts",
             ["--tasks", "metaworld:hard", "--noise", "0.3"],
@@ -390,3 +391,18 @@ def test_the_gpu_suite_rehearses_on_cpu():
     assert attention["blocksparse"]["loss_vs_xla"] == pytest.approx(1.0, rel=1e-5)  # the same attention
     assert "needs a GPU" in attention["pallas"]["unavailable"]  # reported with the dispatch's reason, not timed
     assert {"pi05_tiny b1 c1", "gr00t_tiny b1 c1"} <= set(result["serving"])
+
+
+def test_a_goal_guessed_from_its_pixel_is_off_by_its_spread_along_the_camera_ray():
+    from experiments.benchmarks.metaworld_goal_views import pixel_guess_errors, project
+
+    cam_pos, cam_mat = np.array([0.0, 0.0, 1.0]), np.eye(3)  # looking down the world's -z
+    ray = np.array([[0.01, 0.02, z] for z in (0.0, 0.2, 0.4)])  # one ray: x/depth, y/depth vary
+    ray[:, :2] *= (1.0 - ray[:, 2:]) / (1.0 - ray[0, 2])
+    aside = np.array([[0.3, 0.0, 0.0]])
+    pixels = project(np.concatenate([ray, aside]), cam_pos, cam_mat, 90.0, 64)
+    assert (pixels[:3] == pixels[0]).all() and (pixels[3] != pixels[0]).any()
+    assert (project(np.array([[0.0, 0.0, 0.5]]), cam_pos, cam_mat, 90.0, 64) == 0).all()  # the centre
+    errors = pixel_guess_errors(np.concatenate([ray, aside]), pixels)
+    np.testing.assert_allclose(errors[:3], np.linalg.norm(ray - ray.mean(axis=0), axis=1))
+    assert errors[3] == 0.0

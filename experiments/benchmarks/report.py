@@ -58,6 +58,12 @@ HEADLINES = {
         )
         for name in ("metaworld_mt50", "metaworld_mt50_gr00t", "metaworld_mt10", "metaworld")
     },
+    # Levers on MT10's four weakest tasks (docs/metaworld.md): the rate over the four, then each task's.
+    "metaworld_levers": (
+        "success_rate",
+        *(f"per_task/{t}/success_rate" for t in ("reach", "push", "pick-place", "peg-insert-side")),
+        "episodes",
+    ),
     **{name: ("success_rate", "episodes", "step", "seed") for name in ("demo", "demo_gr00t")},
 }
 MAX_FIGURES = 8
