@@ -27,6 +27,11 @@ def command_overrides(argv: list[str]) -> list[str]:
     return argv[1:] if argv and not argv[0].startswith("-") else list(argv)
 
 
+def launched_experiment(argv: list[str], default: str) -> str:
+    """The experiment's name as the launcher was given it (``default`` when none was given)."""
+    return argv[0] if argv and not argv[0].startswith("-") else default
+
+
 def success_row(
     name: str,
     config: Any,
@@ -35,13 +40,18 @@ def success_row(
     seeds: Mapping[str, Any],
     wall_s: Mapping[str, float],
     overrides: list[str] | None = None,
+    experiment: str | None = None,
     shared_machine: bool = False,
 ) -> dict[str, Any]:
+    """A learning result's row in ``<name>.jsonl``. The command names ``experiment``, by default the one
+    launched, which differs from ``name`` when ``--name`` files a run apart (``metaworld --name
+    metaworld_levers``)."""
     overrides = list(command_overrides(sys.argv[1:]) if overrides is None else overrides)
+    experiment = experiment or launched_experiment(sys.argv[1:], name)
     return records.row(
         name,
         root=ROOT,
-        command=" ".join([f"python -m experiments.launch {name}", *overrides]),
+        command=" ".join([f"python -m experiments.launch {experiment}", *overrides]),
         result=dict(result),
         config=config,
         extra={

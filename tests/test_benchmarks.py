@@ -237,6 +237,11 @@ def test_a_success_row_from_uncommitted_changes_is_marked_and_left_out_of_the_ta
     # From the command line: the flags after the experiment's name, all of them when none is given.
     assert record.command_overrides(["demo", "--task", "reach", "--record"]) == ["--task", "reach", "--record"]
     assert record.command_overrides(["--task", "reach", "--record"]) == ["--task", "reach", "--record"]
+    # A run filed under another name (--name) keeps the experiment it ran in its command.
+    assert record.launched_experiment(["metaworld", "--name", "levers"], "levers") == "metaworld"
+    assert record.launched_experiment(["--task", "reach"], "demo") == "demo"
+    row = record.success_row("levers", config, result={}, seeds={}, wall_s={}, overrides=[], experiment="metaworld")
+    assert row["benchmark"] == "levers" and row["command"] == "python -m experiments.launch metaworld"
     assert rows[0]["wall_s"] == {"collection": 1.0, "training": 2.0, "evaluation": 3.0}
     assert rows[0]["machine"]["shared"] is False
     shown = report.latest_runs(tmp_path)["toy_success"]

@@ -58,6 +58,11 @@ HEADLINES = {
         )
         for name in ("metaworld_mt50", "metaworld_mt50_gr00t", "metaworld_mt10", "metaworld")
     },
+    "metaworld_goal_views": tuple(
+        f"{task}/goal/{view}"
+        for task in ("reach", "push", "pick-place", "peg-insert-side")
+        for view in ("blind_within", "64px/within")
+    ),
     # Levers on MT10's four weakest tasks (docs/metaworld.md): the rate over the four, then each task's.
     "metaworld_levers": (
         "success_rate",
