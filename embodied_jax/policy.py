@@ -129,6 +129,11 @@ class Policy(Protocol):
         (reinforcement learning's ``RLConfig.expert_features``)."""
         ...
 
+    def example_losses(self, batch: Batch, rng: jax.Array) -> jax.Array:
+        """[B]: the training loss of each example of an unpacked batch with ``actions`` (what
+        reinforcement learning's ``weighted_flow`` objective weights by each decision's advantage)."""
+        ...
+
     def chain_log_prob(
         self, observation: Batch, states: jax.Array, sde: Any, *, num_steps: int | None = None
     ) -> jax.Array:

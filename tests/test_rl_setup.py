@@ -151,3 +151,63 @@ def test_the_action_features_are_the_samplers_first_velocity_from_a_zero_chunk(f
     assert features.shape == first.shape and np.abs(features).max() > 0
     np.testing.assert_allclose(features, first, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(features, np.asarray(features_of(model, observation)))  # no sampling in them
+
+
+def test_the_weighted_flow_objective_regresses_onto_the_better_decisions_only():
+    config = rl_toy_reach()
+    config = dataclasses.replace(config, rl=dataclasses.replace(config.rl, num_envs=8))
+    st = start(config, jax.devices()[:1])
+    critic, critic_params = critic_functions(rollout_lib.critic_width(st.env), 32, 0)
+    spec = rollout_lib.RolloutSpec(8, 4, rollout_lib.decisions_per_episode(st.env.episode_limit, 4))
+    with st.rt.context():
+        rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec)(st.params, critic_params, jax.random.key(1))
+    adv = jax.random.normal(jax.random.key(2), rollout.reward.shape)
+    batch = ppo.flat_decisions(rollout, adv, jnp.zeros_like(adv), rollout.log_prob)
+    settings = ppo.PPOSettings(objective="weighted_flow")
+    key = jax.random.key(3)
+
+    def policy_loss(mb):
+        _, metrics = ppo.ppo_loss(st.agent, critic, settings, st.params, critic_params, mb, None, key)
+        return float(metrics["policy_loss"])
+
+    # The reference: advantages normalised over the active decisions, their positive part, times the
+    # model's own per-example flow-matching loss on each decision's chunk (the same draws).
+    active = np.asarray(batch["active"], bool)
+    a = np.asarray(batch["advantage"])
+    normalised = (a - a[active].mean()) / (a[active].std() + 1e-8)
+    flow = np.asarray(st.agent.flow_loss(st.params, batch["model_observation"], batch["chain"][:, -1], key))
+    assert flow.shape == a.shape and (flow > 0).all()
+    want = (np.maximum(normalised, 0) * flow * active).sum() / active.sum()
+    assert policy_loss(batch) == pytest.approx(want, rel=1e-5)
+    # A decision that did worse than expected teaches nothing: its chunk can be anything.
+    worst = int(np.argmin(np.where(active, a, np.inf)))
+    moved = {**batch, "chain": batch["chain"].at[worst, -1].add(1.0)}
+    assert policy_loss(moved) == pytest.approx(policy_loss(batch), rel=1e-6)
+    better = int(np.argmax(np.where(active, a, -np.inf)))
+    assert policy_loss({**batch, "chain": batch["chain"].at[better, -1].add(1.0)}) != pytest.approx(want, rel=1e-3)
+    with pytest.raises(ValueError, match="objective"):
+        ppo.PPOSettings(objective="dpo")
+
+
+@pytest.mark.parametrize("family", ["pi05", "gr00t"])
+def test_each_examples_loss_is_its_own_and_they_average_to_the_training_loss(family):
+    from flax import nnx
+
+    if family == "pi05":
+        from embodied_jax.models.pi05.variants import variant
+    else:
+        from embodied_jax.models.gr00t.variants import variant
+    config = variant("tiny")
+    with nnx.use_eager_sharding(False):
+        model = config.make(nnx.Rngs(0))
+    batch = config.synthetic_batch(3, seed=1)
+    observation = {k: v for k, v in batch.items() if k not in ("actions", "action_mask", "action_dim_mask")}
+    chunk = model.sample_actions(observation, jax.random.key(0), trace=True).states[-1]  # what RL regresses onto
+    losses_of = nnx.jit(lambda m, b, k: (m.example_losses(b, k), m.loss(b, k)[0]))
+    key = jax.random.key(4)
+    each, whole = losses_of(model, {**observation, "actions": chunk}, key)
+    assert each.shape == (3,) and np.all(np.asarray(each) > 0)
+    np.testing.assert_allclose(float(np.mean(each)), float(whole), rtol=1e-5)
+    moved, _ = losses_of(model, {**observation, "actions": chunk.at[2].add(0.5)}, key)
+    np.testing.assert_allclose(np.asarray(moved)[:2], np.asarray(each)[:2], rtol=1e-5)
+    assert abs(float(moved[2]) - float(each[2])) > 1e-4

@@ -62,7 +62,8 @@ class ToyFlowPolicy(nnx.Module):
             h = h + down(jax.nn.gelu(up(h)))
         return self.out(h).reshape(b, c.horizon, c.action_dim)
 
-    def loss(self, batch, rng, *, noise=None, time=None):
+    def example_losses(self, batch, rng, *, noise=None, time=None):
+        """[B]: each example's flow-matching loss."""
         actions = batch["actions"]
         k_noise, k_time = jax.random.split(rng)
         if noise is None:
@@ -71,8 +72,11 @@ class ToyFlowPolicy(nnx.Module):
             time = 0.001 + 0.999 * jax.random.beta(k_time, 1.5, 1.0, (actions.shape[0],))
         x_t = time[:, None, None] * noise + (1.0 - time[:, None, None]) * actions
         v = self.velocity(batch["state"], x_t, time)
-        loss = jnp.mean((v - (noise - actions)) ** 2)
-        return loss, {"examples": jnp.asarray(actions.shape[0], jnp.int32)}
+        return jnp.mean((v - (noise - actions)) ** 2, axis=(1, 2))
+
+    def loss(self, batch, rng, *, noise=None, time=None):
+        loss = self.example_losses(batch, rng, noise=noise, time=time).mean()
+        return loss, {"examples": jnp.asarray(batch["actions"].shape[0], jnp.int32)}
 
     def _flow(self, observation, num_steps):
         c = self.config

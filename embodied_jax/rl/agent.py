@@ -10,6 +10,8 @@ trainable ``params``, its other state closed over) and two functions of those ``
   ``params`` (the model's ``chain_log_prob``);
 - ``features(params, model_observation) -> [B, F]``: the action expert's features, for a value
   head on the expert (``RLConfig.expert_features``).
+- ``flow_loss(params, model_observation, chunk, rng) -> [B]``: the model's training loss on each
+  decision's own sampled chunk (``Policy.example_losses``; the ``weighted_flow`` objective).
 
 ``observe`` turns the simulator's observation ({"state", "images"}, jnp) into the model's inputs
 and ``act`` the model's normalised chunk into robot actions, both inside the program: for a
@@ -57,6 +59,11 @@ class FlowAgent:
         """[B, F] the action expert's features of the observations (``Policy.action_features``), with
         no gradient to the policy: what a value head on the expert reads."""
         return jax.lax.stop_gradient(self.merge(params).action_features(model_observation))
+
+    def flow_loss(self, params, model_observation: Any, chunk: jax.Array, rng: jax.Array) -> jax.Array:
+        """[B]: the flow-matching loss of regressing each observation onto ``chunk`` (the chain's last
+        state: the normalised chunk the decision executed from)."""
+        return self.merge(params).example_losses({**model_observation, "actions": chunk}, rng)
 
     def log_prob(self, params, model_observation: Any, chain: jax.Array) -> jax.Array:
         states = jax.numpy.moveaxis(chain, 1, 0)

@@ -2,6 +2,14 @@
 loss, an optional KL term to the starting policy, and one update (epochs of minibatches) as one
 jitted program.
 
+``objective="weighted_flow"`` replaces the clipped surrogate by the model's own training loss
+(flow matching) on each decision's sampled chunk, weighted by the positive part of its normalised
+advantage: the policy regresses onto the decisions that did better than expected (advantage-weighted
+regression with the weights clipped at zero), a loss as well conditioned as behaviour cloning's
+whatever the sampler's noise level, where the likelihood ratio of a low-noise chain is not. The
+ratio, its clip fraction and the KL are still computed and reported (and the KL term optimised
+with ``kl_coef``).
+
 The ratio is ``exp(log π_θ(chain) - log π_old(chain))`` with the chain's Flow-SDE
 log-probability (``nn/flow.py``); θ is the trainable part of the weights (``rl/scope.py``),
 the rest enters the loss unchanged and gets no gradient. The KL to the start is the k3 estimator
@@ -33,6 +41,16 @@ class PPOSettings:
     epochs: int = 2
     minibatches: int = 4
     normalize_advantages: bool = True
+    # "clip": PPO's clipped ratio surrogate; "weighted_flow": the flow-matching loss on the decisions'
+    # own chunks weighted by max(normalised advantage, 0) (module docstring).
+    objective: str = "clip"
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"ppo.objective={self.objective!r}: one of {', '.join(OBJECTIVES)}")
+
+
+OBJECTIVES = ("clip", "weighted_flow")
 
 
 def _masked_mean(x, mask):
@@ -40,11 +58,18 @@ def _masked_mean(x, mask):
 
 
 def ppo_loss(
-    agent: FlowAgent, critic: Callable, settings: PPOSettings, params, critic_params, mb: dict[str, Any], fixed=None
+    agent: FlowAgent,
+    critic: Callable,
+    settings: PPOSettings,
+    params,
+    critic_params,
+    mb: dict[str, Any],
+    fixed=None,
+    key: jax.Array | None = None,
 ):
     """(loss, metrics) of one minibatch of flat decisions (``mb``: model_observation, chain, log_prob,
     start_log_prob, advantage, return, critic_input, progress, active); with ``fixed`` the policy's
-    weights are ``Scope.combine(params, fixed)``."""
+    weights are ``Scope.combine(params, fixed)``; ``key``: the flow-matching draws of ``weighted_flow``."""
     mask = mb["active"].astype(jnp.float32)
     weights = params if fixed is None else Scope.combine(params, fixed)
     log_prob = agent.log_prob(weights, mb["model_observation"], mb["chain"])
@@ -56,8 +81,13 @@ def ppo_loss(
         mean = _masked_mean(adv, mask)
         std = jnp.sqrt(_masked_mean(jnp.square(adv - mean), mask))
         adv = (adv - mean) / (std + 1e-8)
-    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - settings.clip, 1.0 + settings.clip) * adv)
-    policy_loss = -_masked_mean(surrogate, mask)
+    if settings.objective == "weighted_flow":
+        weight = jnp.maximum(adv, 0.0)
+        flow = agent.flow_loss(weights, mb["model_observation"], mb["chain"][:, -1], key)
+        policy_loss = _masked_mean(weight * flow, mask)
+    else:
+        surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - settings.clip, 1.0 + settings.clip) * adv)
+        policy_loss = -_masked_mean(surrogate, mask)
     value = critic(critic_params, mb["critic_input"], mb["progress"])
     scale = critic_params["scale"] if isinstance(critic_params, dict) and "scale" in critic_params else 1.0
     value_loss = _masked_mean(jnp.square((value - mb["return"]) / scale), mask)  # in the returns' units
@@ -107,7 +137,9 @@ def make_update(
     weights that stay, or None); metrics are the means over minibatches, and ``first_ratio`` the
     first minibatch's mean ratio (1 up to rounding: nothing has changed yet)."""
     grad_fn = jax.value_and_grad(
-        lambda p, c, mb, fixed: ppo_loss(agent, critic, settings, p, c, mb, fixed), argnums=(0, 1), has_aux=True
+        lambda p, c, mb, fixed, key: ppo_loss(agent, critic, settings, p, c, mb, fixed, key),
+        argnums=(0, 1),
+        has_aux=True,
     )
 
     def update(params, fixed, critic_params, opt_states, batch, key):
@@ -116,10 +148,11 @@ def make_update(
         if size == 0:
             raise ValueError(f"{n} decisions do not fill {settings.minibatches} minibatches")
 
-        def minibatch(carry, idx):
+        def minibatch(carry, xs):
+            idx, mb_key = xs
             params, critic_params, (p_state, c_state) = carry
             mb = jax.tree.map(lambda x: x[idx], batch)
-            (_, metrics), (g_p, g_c) = grad_fn(params, critic_params, mb, fixed)
+            (_, metrics), (g_p, g_c) = grad_fn(params, critic_params, mb, fixed, mb_key)
             up, p_state = policy_opt.update(g_p, p_state, params)
             params = optax.apply_updates(params, up)
             up, c_state = critic_opt.update(g_c, c_state, critic_params)
@@ -129,7 +162,10 @@ def make_update(
 
         perms = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, settings.epochs))
         idx = perms[:, : settings.minibatches * size].reshape(settings.epochs * settings.minibatches, size)
-        (params, critic_params, opt_states), metrics = jax.lax.scan(minibatch, (params, critic_params, opt_states), idx)
+        keys = jax.random.split(jax.random.fold_in(key, 1), settings.epochs * settings.minibatches)
+        (params, critic_params, opt_states), metrics = jax.lax.scan(
+            minibatch, (params, critic_params, opt_states), (idx, keys)
+        )
         out = jax.tree.map(jnp.mean, metrics)
         out["first_ratio"] = metrics["ratio_mean"][0]
         return params, critic_params, opt_states, out

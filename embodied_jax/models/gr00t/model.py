@@ -141,6 +141,11 @@ class Gr00tPolicy(nnx.Module):
         )
         return loss, {"loss": loss, "tokens": tokens, "examples": examples}
 
+    def example_losses(self, batch, rng):
+        """[B]: each example's flow-matching loss (an unpacked batch with ``actions``)."""
+        errors, counts = self.per_sample_losses(batch, rng)
+        return errors / jnp.maximum(counts, 1.0)
+
     def _flow(self, observation, num_steps):
         """The flow problem of one observation: (velocity, schedule, chunk shape [B, horizon, action_dim])."""
         config = self.config

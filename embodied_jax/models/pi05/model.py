@@ -281,6 +281,10 @@ class Pi05Policy(nnx.Module):
         loss, _, _, metrics = self.loss_terms(batch, rng, noise=noise, time=time)
         return loss, metrics
 
+    def example_losses(self, batch, rng):
+        """[B]: each example's flow-matching loss (an unpacked batch with ``actions``)."""
+        return self.loss_terms(batch, rng)[1].reshape(-1)
+
     def _flow(self, observation, num_steps):
         """The flow problem of one observation: (velocity, schedule, chunk shape [B, 1, horizon, max_action_dim])."""
         config = self.config
