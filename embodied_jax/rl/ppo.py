@@ -31,6 +31,8 @@ from embodied_jax.config_registry import register
 from embodied_jax.rl.agent import FlowAgent
 from embodied_jax.rl.scope import Scope
 
+OBJECTIVES = ("clip", "weighted_flow")  # PPOSettings.objective
+
 
 @register
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +50,6 @@ class PPOSettings:
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"ppo.objective={self.objective!r}: one of {', '.join(OBJECTIVES)}")
-
-
-OBJECTIVES = ("clip", "weighted_flow")
 
 
 def _masked_mean(x, mask):
