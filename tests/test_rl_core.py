@@ -261,6 +261,32 @@ def test_a_run_that_falls_below_its_start_three_evaluations_in_a_row_stops_and_s
     assert (tmp_path / "rl" / "checkpoints" / "5").is_dir()
 
 
+def test_with_the_stop_rule_off_the_start_is_still_evaluated_and_the_run_goes_on(tmp_path, monkeypatch):
+    import json
+
+    from embodied_jax.rl import loop
+    from embodied_jax.train.config import MetricsConfig
+
+    figures = iter([0.5, 0.1, 0.05])  # the start, then iterations 2 and 3 (the last)
+    monkeypatch.setattr(
+        loop, "held_out_evaluation", lambda st, config, k: lambda params, out_dir=None: {"success_rate": next(figures)}
+    )
+    config = rl_toy_reach()
+    config = dataclasses.replace(
+        config,
+        workdir=str(tmp_path / "rl"),
+        metrics=MetricsConfig(progress_bar=False, tensorboard=False),
+        rl=dataclasses.replace(
+            config.rl, num_envs=32, iterations=3, eval_every=2, stop_below_start=0, checkpoint_every=100
+        ),
+    )
+    result = loop.train(config, jax.devices()[:1])
+    assert result.iterations == 3 and result.stopped is None
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    held = {r["step"]: r["eval/toy_reach/success_rate"] for r in rows if "eval/toy_reach/success_rate" in r}
+    assert held == {0: 0.5, 2: 0.1, 3: 0.05}
+
+
 def test_a_value_head_on_the_expert_reads_its_features_of_the_observation_in_both_rollouts(toy_start):
     """``expert_features``: the critic's input is the robot and privileged state, then the action
     expert's features of the same observation (deterministic: no sampling noise in them, no gradient

@@ -254,8 +254,9 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
         )
         cleanup.callback(metrics.close)
         held_out = held_out_evaluation(st, config, k)
-        watch = held_out is not None and rl.eval_every > 0 and rl.stop_below_start > 0
-        if watch and counters["start_success"] < 0:
+        evaluate_start = held_out is not None and rl.eval_every > 0  # the start's figure, stop rule or not
+        watch = evaluate_start and rl.stop_below_start > 0
+        if evaluate_start and counters["start_success"] < 0:
             counters["start_success"] = held_out(st.params)["success_rate"]
             metrics.write(0, {f"eval/{rl.task}/success_rate": counters["start_success"]})
         began, base_elapsed = time.monotonic(), counters["elapsed_s"]
