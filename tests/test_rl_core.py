@@ -239,11 +239,12 @@ def test_host_stepped_rollouts_equal_in_program_ones(toy_start):
     np.testing.assert_allclose(host.critic_input, in_program.critic_input, rtol=1e-6, atol=1e-6)
 
 
-def test_a_run_that_falls_below_its_start_three_evaluations_in_a_row_stops_and_says_so(tmp_path, monkeypatch):
+def _train_toy_with_held_out_figures(tmp_path, monkeypatch, figures, **rl):
+    """The toy RL run with its held-out evaluations answering ``figures`` in turn (the start first)."""
     from embodied_jax.rl import loop
     from embodied_jax.train.config import MetricsConfig
 
-    figures = iter([0.5, 0.4, 0.6, 0.3, 0.45, 0.2])  # the start, then one evaluation per iteration
+    figures = iter(figures)
     monkeypatch.setattr(
         loop, "held_out_evaluation", lambda st, config, k: lambda params, out_dir=None: {"success_rate": next(figures)}
     )
@@ -252,9 +253,16 @@ def test_a_run_that_falls_below_its_start_three_evaluations_in_a_row_stops_and_s
         config,
         workdir=str(tmp_path / "rl"),
         metrics=MetricsConfig(progress_bar=False, tensorboard=False),
-        rl=dataclasses.replace(config.rl, num_envs=32, iterations=10, eval_every=1, checkpoint_every=100),
+        rl=dataclasses.replace(config.rl, num_envs=32, checkpoint_every=100, **rl),
     )
-    result = loop.train(config, jax.devices()[:1])
+    return loop.train(config, jax.devices()[:1])
+
+
+def test_a_run_that_falls_below_its_start_three_evaluations_in_a_row_stops_and_says_so(tmp_path, monkeypatch):
+    # the start, then one evaluation per iteration
+    result = _train_toy_with_held_out_figures(
+        tmp_path, monkeypatch, [0.5, 0.4, 0.6, 0.3, 0.45, 0.2], iterations=10, eval_every=1
+    )
     assert result.iterations == 5  # below 0.5 at 1; 0.6 at 2 resets the count; below at 3, 4 and 5
     assert "fell below the start's 50.0% in 3 evaluations in a row" in result.stopped
     assert result.evaluation["success_rate"] == 0.2
@@ -264,23 +272,10 @@ def test_a_run_that_falls_below_its_start_three_evaluations_in_a_row_stops_and_s
 def test_with_the_stop_rule_off_the_start_is_still_evaluated_and_the_run_goes_on(tmp_path, monkeypatch):
     import json
 
-    from embodied_jax.rl import loop
-    from embodied_jax.train.config import MetricsConfig
-
-    figures = iter([0.5, 0.1, 0.05])  # the start, then iterations 2 and 3 (the last)
-    monkeypatch.setattr(
-        loop, "held_out_evaluation", lambda st, config, k: lambda params, out_dir=None: {"success_rate": next(figures)}
+    # the start, then iterations 2 and 3 (the last)
+    result = _train_toy_with_held_out_figures(
+        tmp_path, monkeypatch, [0.5, 0.1, 0.05], iterations=3, eval_every=2, stop_below_start=0
     )
-    config = rl_toy_reach()
-    config = dataclasses.replace(
-        config,
-        workdir=str(tmp_path / "rl"),
-        metrics=MetricsConfig(progress_bar=False, tensorboard=False),
-        rl=dataclasses.replace(
-            config.rl, num_envs=32, iterations=3, eval_every=2, stop_below_start=0, checkpoint_every=100
-        ),
-    )
-    result = loop.train(config, jax.devices()[:1])
     assert result.iterations == 3 and result.stopped is None
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     held = {r["step"]: r["eval/toy_reach/success_rate"] for r in rows if "eval/toy_reach/success_rate" in r}
