@@ -1,5 +1,6 @@
 """An RL run of a trained policy (the session's tiny demo run): it resumes from its checkpoint with
-the uninterrupted run's metrics, and its checkpoints load with ``load_policy`` as any run's."""
+the uninterrupted run's metrics (the demonstrations' batches included), and its checkpoints load
+with ``load_policy`` as any run's."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def _config(demo_run, workdir, iterations):
             eval_envs=0,
             policy_lr=1e-3,
             shaping=0.1,  # dense rewards: advantages that are not all zero when no episode succeeds
+            demo_batch=4,  # the run's demonstrations beside PPO: their iterator resumes with the run
             ppo=PPOSettings(epochs=1, minibatches=2),
         ),
     )
@@ -57,6 +59,7 @@ def test_rl_run_resumes_with_identical_metrics_and_loads_with_load_policy(demo_r
     assert resumed.iterations == 2
     a, b = _rows(tmp_path / "whole"), _rows(cut)
     assert [r["step"] for r in b] == [1, 2]
+    assert all(r["demo_loss"] > 0 for r in a)
     for x, y in zip(a, b, strict=True):
         for key in x.keys() - TIMINGS:
             np.testing.assert_allclose(y[key], x[key], rtol=1e-6, err_msg=key)

@@ -153,7 +153,9 @@ def test_the_action_features_are_the_samplers_first_velocity_from_a_zero_chunk(f
     np.testing.assert_array_equal(features, np.asarray(features_of(model, observation)))  # no sampling in them
 
 
-def test_the_weighted_flow_objective_regresses_onto_the_better_decisions_only():
+@pytest.fixture(scope="module")
+def toy_decisions():
+    """The toy policy's start, its critic and one rollout's flat decisions with random advantages."""
     config = rl_toy_reach()
     config = dataclasses.replace(config, rl=dataclasses.replace(config.rl, num_envs=8))
     st = start(config, jax.devices()[:1])
@@ -162,7 +164,11 @@ def test_the_weighted_flow_objective_regresses_onto_the_better_decisions_only():
     with st.rt.context():
         rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec)(st.params, critic_params, jax.random.key(1))
     adv = jax.random.normal(jax.random.key(2), rollout.reward.shape)
-    batch = ppo.flat_decisions(rollout, adv, jnp.zeros_like(adv), rollout.log_prob)
+    return st, critic, critic_params, ppo.flat_decisions(rollout, adv, jnp.zeros_like(adv), rollout.log_prob)
+
+
+def test_the_weighted_flow_objective_regresses_onto_the_better_decisions_only(toy_decisions):
+    st, critic, critic_params, batch = toy_decisions
     settings = ppo.PPOSettings(objective="weighted_flow")
     key = jax.random.key(3)
 
@@ -187,6 +193,48 @@ def test_the_weighted_flow_objective_regresses_onto_the_better_decisions_only():
     assert policy_loss({**batch, "chain": batch["chain"].at[better, -1].add(1.0)}) != pytest.approx(want, rel=1e-3)
     with pytest.raises(ValueError, match="objective"):
         ppo.PPOSettings(objective="dpo")
+
+
+def test_self_imitation_regresses_onto_the_successful_episodes_decisions_and_demos_add_bc_loss(toy_decisions):
+    st, critic, critic_params, batch = toy_decisions
+    active, success = np.asarray(batch["active"], bool), np.asarray(batch["success"], bool)
+    # half the episodes succeed, whatever the toy's rollout did: the objective reads only this flag
+    success = np.zeros(success.shape, bool).reshape(-1, 8)
+    success[:, ::2] = True
+    batch = {**batch, "success": jnp.asarray(success.reshape(-1))}
+    success = success.reshape(-1)
+    settings = ppo.PPOSettings(objective="self_imitation")
+    key = jax.random.key(3)
+
+    def loss(mb, demos=None):
+        total, metrics = ppo.ppo_loss(st.agent, critic, settings, st.params, critic_params, mb, None, key, demos)
+        return float(total), metrics
+
+    flow = np.asarray(st.agent.flow_loss(st.params, batch["model_observation"], batch["chain"][:, -1], key))
+    kept = active & success
+    assert kept.any() and (active & ~success).any()
+    want = (flow * kept).sum() / kept.sum()
+    _, metrics = loss(batch)
+    assert float(metrics["policy_loss"]) == pytest.approx(want, rel=1e-5)
+    assert "clip_fraction" not in metrics  # no likelihood ratio is computed for it
+    failed, won = int(np.flatnonzero(active & ~success)[0]), int(np.flatnonzero(kept)[0])
+    moved = {**batch, "chain": batch["chain"].at[failed, -1].add(1.0), "advantage": -batch["advantage"]}
+    assert float(loss(moved)[1]["policy_loss"]) == pytest.approx(want, rel=1e-6)  # failures and advantages unread
+    assert float(loss({**batch, "chain": batch["chain"].at[won, -1].add(1.0)})[1]["policy_loss"]) != pytest.approx(
+        want, rel=1e-3
+    )
+    # the update's draw: only successful active decisions, a fixed number, none when nothing succeeded
+    drawn = ppo.imitation_batch(batch, 64, jax.random.key(5))
+    assert drawn["active"].shape == (64,) and np.asarray(drawn["active"]).all() and np.asarray(drawn["success"]).all()
+    assert ppo.imitation_batch({**batch, "success": jnp.zeros_like(batch["success"])}, 64, key) is None
+    # demonstrations add behaviour cloning's loss on them, times demo_coef
+    observation, chunks = batch["model_observation"], batch["chain"][:, -1]
+    demos = {"state": np.asarray(observation["state"][:4]), "actions": np.asarray(chunks[:4])}
+    bc = float(st.agent.bc_loss(st.params, demos, jax.random.fold_in(key, 1)))
+    settings = dataclasses.replace(settings, demo_coef=0.5)
+    with_demos, metrics = loss(batch, demos)
+    assert bc > 0 and float(metrics["demo_loss"]) == pytest.approx(bc, rel=1e-5)
+    assert with_demos == pytest.approx(loss(batch)[0] + 0.5 * bc, rel=1e-5)
 
 
 @pytest.mark.parametrize("family", ["pi05", "gr00t"])

@@ -11,7 +11,10 @@ trainable ``params``, its other state closed over) and two functions of those ``
 - ``features(params, model_observation) -> [B, F]``: the action expert's features, for a value
   head on the expert (``RLConfig.expert_features``).
 - ``flow_loss(params, model_observation, chunk, rng) -> [B]``: the model's training loss on each
-  decision's own sampled chunk (``Policy.example_losses``; the ``weighted_flow`` objective).
+  decision's own sampled chunk (``Policy.example_losses``; the ``weighted_flow`` and
+  ``self_imitation`` objectives).
+- ``bc_loss(params, batch, rng) -> scalar``: behaviour cloning's loss (``Policy.loss``) on a
+  training batch of the run's data (the demonstrations beside the RL objective).
 
 ``observe`` turns the simulator's observation ({"state", "images"}, jnp) into the model's inputs
 and ``act`` the model's normalised chunk into robot actions, both inside the program: for a
@@ -64,6 +67,10 @@ class FlowAgent:
         """[B]: the flow-matching loss of regressing each observation onto ``chunk`` (the chain's last
         state: the normalised chunk the decision executed from)."""
         return self.merge(params).example_losses({**model_observation, "actions": chunk}, rng)
+
+    def bc_loss(self, params, batch: Any, rng: jax.Array) -> jax.Array:
+        """Behaviour cloning's loss on a training batch (the run's data pipeline's)."""
+        return self.merge(params).loss(batch, rng)[0]
 
     def log_prob(self, params, model_observation: Any, chain: jax.Array) -> jax.Array:
         states = jax.numpy.moveaxis(chain, 1, 0)

@@ -4,7 +4,8 @@
 starting run's config with the RL weights as its parameters (and EMA), so ``load_policy``,
 ``embodied_jax.evaluate``, ``export`` and ``serve`` take it unchanged.
 ``<workdir>/rl_state/<iteration>`` holds the critic, both optimizers' states, the RNG key and
-the counters (iteration, environment steps, wall time). A resume restores the latest iteration
+the counters (iteration, environment steps, wall time); with demonstrations (``rl/demos.py``) the
+policy's checkpoint also holds their iterator's state. A resume restores the latest iteration
 present in both; RNG keys derive from the seed and the iteration, so a resumed run repeats the
 uninterrupted one.
 """
@@ -37,12 +38,13 @@ class RLCheckpointer:
         common = set(self.policy.all_steps()) & set(self.rl.all_steps())
         return max(common) if common else None
 
-    def save(self, iteration: int, start, params: Any, rl_state: dict) -> None:
+    def save(self, iteration: int, start, params: Any, rl_state: dict, iterator: Any = None) -> None:
         self.rl.save(iteration, args=ocp.args.StandardSave(rl_state), force=True)
         self.rl.wait_until_finished()
         self.policy.save(
             iteration,
             start.train_state(params),
+            iterator=iterator,
             norm_stats=start.norm_stats,
             config=to_dict(start.base),
             assets=asset_files(start.base.model) or None,
@@ -51,9 +53,9 @@ class RLCheckpointer:
         self.policy.wait()
         self.policy.prune()
 
-    def restore(self, iteration: int, start, rl_template: dict) -> tuple[Any, dict]:
+    def restore(self, iteration: int, start, rl_template: dict, iterator: Any = None) -> tuple[Any, dict]:
         rt = start.rt
-        state, _ = self.policy.restore(rt.abstract_state, rt.shardings, step=iteration)
+        state, _ = self.policy.restore(rt.abstract_state, rt.shardings, step=iteration, iterator=iterator)
         params = state.ema if state.ema is not None else state.params
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rl_template)
         rl_state = self.rl.restore(iteration, args=ocp.args.StandardRestore(target))

@@ -50,6 +50,9 @@ class RLConfig:
     # the expert, as πRL's: Policy.action_features, computed with the rollout's weights, no gradient).
     expert_features: bool = False
     max_grad_norm: float = 1.0
+    # Demonstrations per minibatch from the run's own training data, trained with behaviour cloning's
+    # loss beside the RL objective (times ppo.demo_coef; rl/demos.py). 0: none.
+    demo_batch: int = 0
     critic_width: int = 128
     checkpoint_every: int = 5  # iterations (and at the end, and on SIGTERM)
     keep_last: int = 3
@@ -70,6 +73,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.num_envs={self.num_envs} must be a multiple of groups={self.groups}")
         if self.train not in ("action_expert", "all"):
             raise ValueError(f"RLConfig.train must be 'action_expert' or 'all', got {self.train!r}")
+        if self.demo_batch < 0:
+            raise ValueError(f"RLConfig.demo_batch must be >= 0, got {self.demo_batch}")
         if self.noise_level <= 0:
             raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
 

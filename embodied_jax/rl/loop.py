@@ -41,6 +41,7 @@ from embodied_jax.rl import rollout as rollout_lib
 from embodied_jax.rl.checkpoint import RLCheckpointer
 from embodied_jax.rl.config import RLExperimentConfig
 from embodied_jax.rl.critic import Critic
+from embodied_jax.rl.demos import DemoBatches
 from embodied_jax.rl.diagnostics import rollout_diagnostics
 from embodied_jax.rl.scope import Scope
 from embodied_jax.rl.start import Start, start
@@ -233,13 +234,18 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
                 return score(st.params, batch), float(kl)
             return jnp.asarray(batch["log_prob"]).at[idx].set(sampled), float(kl)
 
+        demos = None
+        if rl.demo_batch:
+            demos = DemoBatches(st, rl.demo_batch, rl.ppo.epochs * rl.ppo.minibatches, rl.seed)
+            cleanup.callback(demos.close)
+        demo_iterator = demos.iterator if demos is not None else None
         ckpt = RLCheckpointer(workdir, rl.keep_last)
         cleanup.callback(ckpt.close)
         counters = {"iteration": 0, "env_steps": 0, "elapsed_s": 0.0, "start_success": -1.0, "below_start": 0}
         latest = ckpt.latest()
         if latest is not None:
             template = {"critic": critic_params, "opt": opt_states, "counters": _counters_array(counters)}
-            full, restored = ckpt.restore(latest, st, template)
+            full, restored = ckpt.restore(latest, st, template, demo_iterator)
             params, _ = st.scope.partition(full)
             critic_params, opt_states = restored["critic"], restored["opt"]
             counters = {k_: v.item() for k_, v in restored["counters"].items()}
@@ -275,11 +281,19 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             batch = ppo.flat_decisions(batch_rollout, adv, returns, batch_rollout.log_prob)
             t0 = time.perf_counter()
             batch["start_log_prob"], kl_to_start = start_log_prob(batch, jax.random.fold_in(k_update, 1))
-            new = update(params, fixed, critic_params, opt_states, batch, k_update)
-            jax.block_until_ready(new)
+            if rl.ppo.objective == "self_imitation":
+                batch = ppo.imitation_batch(batch, rl.ppo.imitation_decisions, jax.random.fold_in(k_update, 2))
+            if batch is None:  # self-imitation with no successful episode: nothing to imitate
+                new, row = None, {}
+            else:
+                demo_batches = demos.next_update() if demos is not None else None
+                new = update(params, fixed, critic_params, opt_states, batch, k_update, demo_batches)
+                jax.block_until_ready(new)
+                row = {k_: float(v) for k_, v in new[3].items()}
             t_update = time.perf_counter() - t0
-            row = {k_: float(v) for k_, v in new[3].items()}
-            if not all(math.isfinite(v) for v in row.values()) or not _finite(new[0]):
+            if new is None:
+                log.info("iteration %d: no successful episode to imitate; no update", it)
+            elif not all(math.isfinite(v) for v in row.values()) or not _finite(new[0]):
                 skips += 1
                 log.warning("iteration %d: non-finite update skipped (%d in a row)", it, skips)
                 if skips >= MAX_SKIPS:
@@ -335,7 +349,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             if last or fell or it % rl.checkpoint_every == 0:
                 lock.check()
                 rest = {"critic": critic_params, "opt": opt_states, "counters": _counters_array(counters)}
-                ckpt.save(it, st, Scope.combine(params, fixed), rest)
+                ckpt.save(it, st, Scope.combine(params, fixed), rest, demo_iterator)
             if stop.signum is not None:
                 raise Preempted(stop.signum or signal.SIGTERM, it)
             if fell:
