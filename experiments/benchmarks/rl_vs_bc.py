@@ -58,8 +58,9 @@ class Flags:
     sequential: bool = False
     arms: tuple[Literal["rl", "bc"], ...] = ("rl", "bc")
     """the arms to run; an arm left out is evaluated from its workdir as an earlier run left it"""
-    rl_flags: tuple[str, ...] = ()
-    """further launcher flags for the RL arm, e.g. --rl-flags=--rl.noise-level=0.5"""
+    rl_flags: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """further launcher flags for the RL arm, one per use, e.g. --rl-flags=--rl.noise-level=0.5
+    --rl-flags=--rl.demo-batch=32"""
 
 
 def _latest_step(run: pathlib.Path) -> int:
