@@ -56,8 +56,16 @@ HEADLINES = {
             "success_rate",
             "episodes",
         )
-        for name in ("metaworld_mt50", "metaworld_mt50_gr00t", "metaworld_mt10", "metaworld")
+        for name in ("metaworld_mt50", "metaworld_mt50_gr00t", "metaworld_mt10", "metaworld_mt10_gr00t", "metaworld")
     },
+    # A checkpoint evaluated again (``embodied_jax.evaluate --record``): built-in tasks and Meta-World.
+    "evaluate": (
+        "success_rate",
+        "group_average",
+        *(f"per_difficulty/{g}/success_rate" for g in ("easy", "medium", "hard", "very_hard")),
+        "episodes",
+        "seed",
+    ),
     "metaworld_goal_views": tuple(
         f"{task}/goal/{view}"
         for task in ("reach", "push", "pick-place", "peg-insert-side")
