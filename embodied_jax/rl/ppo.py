@@ -93,14 +93,13 @@ def ppo_loss(
     value = critic(critic_params, mb["critic_input"], mb["progress"])
     scale = critic_params["scale"] if isinstance(critic_params, dict) and "scale" in critic_params else 1.0
     value_loss = _masked_mean(jnp.square((value - mb["return"]) / scale), mask)  # in the returns' units
+    loss = settings.value_coef * value_loss
     metrics = {"value_loss": value_loss}
-    if settings.objective == "self_imitation" and settings.kl_coef == 0:
-        # no ratio and no KL term: the chain's likelihood (a velocity per denoising step) is not computed
+    if settings.objective == "self_imitation":
         flow = agent.flow_loss(weights, mb["model_observation"], mb["chain"][:, -1], key)
         policy_loss = _masked_mean(flow, mask * mb["success"].astype(jnp.float32))
-        loss = policy_loss + settings.value_coef * value_loss
-        metrics["policy_loss"] = policy_loss
-    else:
+    # The chain's likelihood (a velocity per denoising step) only where a ratio or the KL term needs it.
+    if settings.objective != "self_imitation" or settings.kl_coef > 0:
         log_prob = agent.log_prob(weights, mb["model_observation"], mb["chain"])
         # clamped: a ratio of e^20 is clipped all the same, and exp of more overflows to inf (NaN gradients)
         log_ratio = jnp.clip(jnp.where(mask > 0, log_prob - mb["log_prob"], 0.0), -20.0, 20.0)
@@ -111,25 +110,22 @@ def ppo_loss(
             std = jnp.sqrt(_masked_mean(jnp.square(adv - mean), mask))
             adv = (adv - mean) / (std + 1e-8)
         if settings.objective == "weighted_flow":
-            weight = jnp.maximum(adv, 0.0)
             flow = agent.flow_loss(weights, mb["model_observation"], mb["chain"][:, -1], key)
-            policy_loss = _masked_mean(weight * flow, mask)
-        elif settings.objective == "self_imitation":
-            flow = agent.flow_loss(weights, mb["model_observation"], mb["chain"][:, -1], key)
-            policy_loss = _masked_mean(flow, mask * mb["success"].astype(jnp.float32))
-        else:
+            policy_loss = _masked_mean(jnp.maximum(adv, 0.0) * flow, mask)
+        elif settings.objective == "clip":
             surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - settings.clip, 1.0 + settings.clip) * adv)
             policy_loss = -_masked_mean(surrogate, mask)
         log_r = jnp.clip(jnp.where(mask > 0, mb["start_log_prob"] - log_prob, 0.0), -20.0, 20.0)
         kl_start = _masked_mean(jnp.exp(log_r) - 1.0 - log_r, mask)
-        loss = policy_loss + settings.value_coef * value_loss + settings.kl_coef * kl_start
+        loss = loss + settings.kl_coef * kl_start
         metrics.update(
-            policy_loss=policy_loss,
             kl_to_start=kl_start,
             approx_kl=_masked_mean(ratio - 1.0 - log_ratio, mask),
             clip_fraction=_masked_mean((jnp.abs(ratio - 1.0) > settings.clip).astype(jnp.float32), mask),
             ratio_mean=_masked_mean(ratio, mask),
         )
+    loss = loss + policy_loss
+    metrics["policy_loss"] = policy_loss
     if demos is not None:
         demo_key = jax.random.fold_in(jax.random.key(0) if key is None else key, 1)
         demo_loss = agent.bc_loss(weights, demos, demo_key)
@@ -164,8 +160,7 @@ def imitation_batch(batch: dict[str, Any], size: int, key: jax.Array) -> dict[st
     chosen = np.flatnonzero(np.asarray(batch["active"], bool) & np.asarray(batch["success"], bool))
     if chosen.size == 0:
         return None
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
-    idx = rng.choice(chosen, size, replace=chosen.size < size)
+    idx = jax.random.choice(key, chosen, (size,), replace=chosen.size < size)
     return jax.tree.map(lambda x: x[idx], batch)
 
 
