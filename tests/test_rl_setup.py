@@ -227,6 +227,16 @@ def test_self_imitation_regresses_onto_the_successful_episodes_decisions_and_dem
     drawn = ppo.imitation_batch(batch, 64, jax.random.key(5))
     assert drawn["active"].shape == (64,) and np.asarray(drawn["active"]).all() and np.asarray(drawn["success"]).all()
     assert ppo.imitation_batch({**batch, "success": jnp.zeros_like(batch["success"])}, 64, key) is None
+    # better_than_expected: only the successes with a positive advantage (GRPO: contested initial states)
+    signs = np.where(np.arange(success.size) % 4 < 2, 1.0, -1.0)  # of the successes, every other one
+    signed = {**batch, "advantage": jnp.asarray(signs, jnp.float32)}
+    drawn = ppo.imitation_batch(signed, 64, jax.random.key(5), imitate="better_than_expected")
+    assert np.asarray(drawn["success"]).all() and (np.asarray(drawn["advantage"]) > 0).all()
+    assert (np.asarray(ppo.imitation_batch(signed, 64, jax.random.key(5))["advantage"]) < 0).any()
+    no_surprise = {**batch, "advantage": jnp.asarray(-1.0 * success, jnp.float32)}  # every success foreseen
+    assert ppo.imitation_batch(no_surprise, 8, key, "better_than_expected") is None
+    with pytest.raises(ValueError, match="imitate"):
+        ppo.PPOSettings(imitate="failures")
     # demonstrations add behaviour cloning's loss on them, times demo_coef
     observation, chunks = batch["model_observation"], batch["chain"][:, -1]
     demos = {"state": np.asarray(observation["state"][:4]), "actions": np.asarray(chunks[:4])}

@@ -282,8 +282,10 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             t0 = time.perf_counter()
             batch["start_log_prob"], kl_to_start = start_log_prob(batch, jax.random.fold_in(k_update, 1))
             if rl.ppo.objective == "self_imitation":
-                batch = ppo.imitation_batch(batch, rl.ppo.imitation_decisions, jax.random.fold_in(k_update, 2))
-            if batch is None:  # self-imitation with no successful episode: nothing to imitate
+                batch = ppo.imitation_batch(
+                    batch, rl.ppo.imitation_decisions, jax.random.fold_in(k_update, 2), rl.ppo.imitate
+                )
+            if batch is None:  # self-imitation with no (chosen) successful decision: nothing to imitate
                 new, row = None, {}
             else:
                 demo_batches = demos.next_update() if demos is not None else None
@@ -292,7 +294,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
                 row = {k_: float(v) for k_, v in new[3].items()}
             t_update = time.perf_counter() - t0
             if new is None:
-                log.info("iteration %d: no successful episode to imitate; no update", it)
+                log.info("iteration %d: no successful decision to imitate (%s); no update", it, rl.ppo.imitate)
             elif not all(math.isfinite(v) for v in row.values()) or not _finite(new[0]):
                 skips += 1
                 log.warning("iteration %d: non-finite update skipped (%d in a row)", it, skips)

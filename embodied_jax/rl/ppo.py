@@ -39,6 +39,7 @@ from embodied_jax.rl.agent import FlowAgent
 from embodied_jax.rl.scope import Scope
 
 OBJECTIVES = ("clip", "weighted_flow", "self_imitation")  # PPOSettings.objective
+IMITATE = ("successes", "better_than_expected")  # PPOSettings.imitate
 
 
 @register
@@ -57,11 +58,18 @@ class PPOSettings:
     # self_imitation: the successful decisions an update trains on, drawn from the rollout's (with
     # replacement when it has fewer), so the update compiles once and spends nothing on failures.
     imitation_decisions: int = 1024
+    # self_imitation: which successful decisions are imitated. "successes": all of them;
+    # "better_than_expected": those whose advantage is positive as well. With GRPO's groups that keeps
+    # the successes of initial states where not every episode succeeded (where what the policy chose,
+    # not where the object lay, decided the outcome); with GAE, the successes the critic did not foresee.
+    imitate: str = "successes"
     demo_coef: float = 1.0  # weight of behaviour cloning's loss on the demonstrations (RLConfig.demo_batch)
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"ppo.objective={self.objective!r}: one of {', '.join(OBJECTIVES)}")
+        if self.imitate not in IMITATE:
+            raise ValueError(f"ppo.imitate={self.imitate!r}: one of {', '.join(IMITATE)}")
         if self.imitation_decisions < self.minibatches:
             raise ValueError(
                 f"ppo.imitation_decisions={self.imitation_decisions} must fill ppo.minibatches={self.minibatches}"
@@ -154,10 +162,18 @@ def flat_decisions(rollout, advantages, returns, start_log_prob) -> dict[str, An
     }
 
 
-def imitation_batch(batch: dict[str, Any], size: int, key: jax.Array) -> dict[str, Any] | None:
+def imitation_batch(
+    batch: dict[str, Any], size: int, key: jax.Array, imitate: str = "successes"
+) -> dict[str, Any] | None:
     """``size`` decisions of the flat ``batch`` drawn from the active decisions of its successful
-    episodes (without replacement when there are enough, with it when not); None when none succeeded."""
-    chosen = np.flatnonzero(np.asarray(batch["active"], bool) & np.asarray(batch["success"], bool))
+    episodes (``imitate="better_than_expected"``: those of them with a positive advantage), without
+    replacement when there are enough, with it when not; None when there are none."""
+    if imitate not in IMITATE:
+        raise ValueError(f"imitate={imitate!r}: one of {', '.join(IMITATE)}")
+    keep = np.asarray(batch["active"], bool) & np.asarray(batch["success"], bool)
+    if imitate == "better_than_expected":
+        keep &= np.asarray(batch["advantage"]) > 0
+    chosen = np.flatnonzero(keep)
     if chosen.size == 0:
         return None
     idx = jax.random.choice(key, chosen, (size,), replace=chosen.size < size)
