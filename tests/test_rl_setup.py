@@ -232,6 +232,8 @@ def test_self_imitation_regresses_onto_the_successful_episodes_decisions_and_dem
     signed = {**batch, "advantage": jnp.asarray(signs, jnp.float32)}
     drawn = ppo.imitation_batch(signed, 64, jax.random.key(5), imitate="better_than_expected")
     assert np.asarray(drawn["success"]).all() and (np.asarray(drawn["advantage"]) > 0).all()
+    pool = ppo.imitation_pool(signed, "better_than_expected")
+    assert pool.size == (active & success & (signs > 0)).sum() > 0
     assert (np.asarray(ppo.imitation_batch(signed, 64, jax.random.key(5))["advantage"]) < 0).any()
     no_surprise = {**batch, "advantage": jnp.asarray(-1.0 * success, jnp.float32)}  # every success foreseen
     assert ppo.imitation_batch(no_surprise, 8, key, "better_than_expected") is None

@@ -281,7 +281,9 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             batch = ppo.flat_decisions(batch_rollout, adv, returns, batch_rollout.log_prob)
             t0 = time.perf_counter()
             batch["start_log_prob"], kl_to_start = start_log_prob(batch, jax.random.fold_in(k_update, 1))
+            pool = None
             if rl.ppo.objective == "self_imitation":
+                pool = ppo.imitation_pool(batch, rl.ppo.imitate).size
                 batch = ppo.imitation_batch(
                     batch, rl.ppo.imitation_decisions, jax.random.fold_in(k_update, 2), rl.ppo.imitate
                 )
@@ -310,6 +312,8 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             counters["env_steps"] += env_steps
             counters["elapsed_s"] = base_elapsed + time.monotonic() - began
             active = np.asarray(batch_rollout.active, bool)
+            if pool is not None:
+                row["imitation_pool"] = pool  # the decisions self-imitation could draw from
             row.update(
                 kl_to_start=kl_to_start,
                 success_rate=float(jnp.mean(batch_rollout.success)),

@@ -162,18 +162,23 @@ def flat_decisions(rollout, advantages, returns, start_log_prob) -> dict[str, An
     }
 
 
-def imitation_batch(
-    batch: dict[str, Any], size: int, key: jax.Array, imitate: str = "successes"
-) -> dict[str, Any] | None:
-    """``size`` decisions of the flat ``batch`` drawn from the active decisions of its successful
-    episodes (``imitate="better_than_expected"``: those of them with a positive advantage), without
-    replacement when there are enough, with it when not; None when there are none."""
+def imitation_pool(batch: dict[str, Any], imitate: str = "successes") -> np.ndarray:
+    """Indices of the flat ``batch``'s decisions self-imitation may draw: the active decisions of its
+    successful episodes (``imitate="better_than_expected"``: those of them with a positive advantage)."""
     if imitate not in IMITATE:
         raise ValueError(f"imitate={imitate!r}: one of {', '.join(IMITATE)}")
     keep = np.asarray(batch["active"], bool) & np.asarray(batch["success"], bool)
     if imitate == "better_than_expected":
         keep &= np.asarray(batch["advantage"]) > 0
-    chosen = np.flatnonzero(keep)
+    return np.flatnonzero(keep)
+
+
+def imitation_batch(
+    batch: dict[str, Any], size: int, key: jax.Array, imitate: str = "successes"
+) -> dict[str, Any] | None:
+    """``size`` decisions of the flat ``batch`` drawn from its :func:`imitation_pool`, without
+    replacement when there are enough, with it when not; None when the pool is empty."""
+    chosen = imitation_pool(batch, imitate)
     if chosen.size == 0:
         return None
     idx = jax.random.choice(key, chosen, (size,), replace=chosen.size < size)
