@@ -86,6 +86,8 @@ def check_reuse(config: MetaWorldConfig, workdir: pathlib.Path) -> None:
     }
     if config.evaluation.crop is not None:  # recorded only when set: older run directories stay reusable
         wanted["crop"] = list(config.evaluation.crop)
+    if config.evaluation.camera_pos is not None:
+        wanted["camera_pos"] = list(config.evaluation.camera_pos)
     record = workdir / RECORD
     if record.exists():
         saved = json.loads(record.read_text())
@@ -164,6 +166,7 @@ def run_metaworld(config: MetaWorldConfig) -> int:
             prompts=config.prompts,
             render_style=config.evaluation.render_style,
             crop=config.evaluation.crop,
+            camera_pos=config.evaluation.camera_pos,
             workers=config.collect_workers or os.cpu_count() or 1,
         )
     collection_s = time.perf_counter() - t0

@@ -147,6 +147,29 @@ def test_a_crop_is_that_window_of_the_whole_frame_and_bad_windows_are_refused():
             metaworld.MetaWorldEnv("reach", (32, 32), crop=bad)
 
 
+def test_camera_pos_moves_corner2_only_when_asked_and_bad_positions_are_refused():
+    """``camera_pos``: corner2 placed there instead of LeRobot's pose (a lever, never the default)."""
+    import mujoco
+
+    seed = metaworld.episode_seed(metaworld.VALIDATION_SEED, "reach", 0)
+    frames, placed = {}, {}
+    for pos in (None, metaworld.CAMERA_POS, metaworld.METAWORLD_CAMERA_POS):
+        env = metaworld.MetaWorldEnv("reach", (32, 32), camera_pos=pos)
+        try:
+            env.reset(seed)
+            frames[pos], model = env.render(), env._env.model
+            placed[pos] = tuple(model.cam_pos[mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, metaworld.CAMERA)])
+        finally:
+            env.close()
+    assert placed[None] == pytest.approx(metaworld.CAMERA_POS)
+    assert placed[metaworld.METAWORLD_CAMERA_POS] == pytest.approx(metaworld.METAWORLD_CAMERA_POS)
+    np.testing.assert_array_equal(frames[None], frames[metaworld.CAMERA_POS])
+    assert np.abs(frames[None].astype(int) - frames[metaworld.METAWORLD_CAMERA_POS]).mean() > 5
+    for bad in ((1.0, 2.0), ("a", 0, 0), (0.0, float("nan"), 1.0)):
+        with pytest.raises(metaworld.MetaWorldError, match="camera_pos"):
+            metaworld.MetaWorldEnv("reach", (32, 32), camera_pos=bad)
+
+
 def test_protocol_limit_termination_and_prompts():
     """500 steps (Meta-World's max_path_length), the first success ends an episode, LeRobot's prompts
     by default and the project's on request."""

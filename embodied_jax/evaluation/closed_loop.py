@@ -202,6 +202,7 @@ def evaluate_metaworld(
         prompts=prompts or (run.prompts if run else metaworld.EvalSettings.prompts),
         render_style=render_style or (run.render_style if run else metaworld.EvalSettings.render_style),
         crop=run.crop if run else None,  # the window of the frame the policy was trained on
+        camera_pos=run.camera_pos if run else None,  # and the camera it saw it from
     )
     missing = [key for key in bundle.inputs.camera_keys if key != metaworld.IMAGE_KEY]
     if missing or bundle.action_dim not in (None, 4):

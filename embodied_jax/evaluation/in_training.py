@@ -91,7 +91,13 @@ class MetaWorldEvaluation(Evaluation):
     """In-training closed-loop evaluation in Meta-World's own environments (``sim.metaworld``):
     ``episodes`` per task, ``envs`` stepped together per policy call, on the evaluation seed."""
 
-    ADDED_FIELDS = ("limit", "prompts", "render_style", "crop")  # runs saved before them read back with the defaults
+    ADDED_FIELDS = (
+        "limit",
+        "prompts",
+        "render_style",
+        "crop",
+        "camera_pos",
+    )  # runs saved before them read back with the defaults
 
     tasks: str = "metaworld:mt10"
     episodes: int = 10
@@ -105,6 +111,8 @@ class MetaWorldEvaluation(Evaluation):
     # (top, left, size), fractions of the frame: a zoomed window of the workspace, as collected
     # (sim.metaworld.MetaWorldEnv); None: the whole frame, as LeRobot's.
     crop: tuple[float, float, float] | None = None
+    # corner2's position (x, y, z), as collected (sim.metaworld.MetaWorldEnv); None: LeRobot's.
+    camera_pos: tuple[float, float, float] | None = None
 
     def settings(self):
         from embodied_jax.sim import metaworld
@@ -120,6 +128,7 @@ class MetaWorldEvaluation(Evaluation):
             prompts=self.prompts,
             render_style=self.render_style,
             crop=self.crop,
+            camera_pos=self.camera_pos,
         )
 
     def start(self, model: Any, *, config: Any, norm_stats: Mapping[str, Any] | None) -> MetaWorldEvaluationRun:

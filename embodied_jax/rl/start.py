@@ -139,6 +139,7 @@ def _metaworld_start(config, base, rt, state, norm_stats, bundle, params) -> Sta
         tuple(evaluation.image_size),
         prompts=evaluation.prompts,
         crop=evaluation.crop,
+        camera_pos=evaluation.camera_pos,
         limit=evaluation.limit,
     )
     ios = [device_io(bundle, instruction, {envs.camera: IMAGE_KEY}) for instruction in envs.instructions]

@@ -28,13 +28,14 @@ class MetaWorldBatch:
         *,
         prompts: str = "lerobot",
         crop: tuple[float, float, float] | None = None,
+        camera_pos: tuple[float, float, float] | None = None,
         limit: int = STEP_LIMIT,
     ):
         if envs_per_task < 1:
             raise ValueError(f"envs_per_task={envs_per_task}: at least 1")
         self.tasks = tuple(tasks)
         self.envs = [
-            MetaWorldEnv(task, image_size, prompts=prompts, crop=crop)
+            MetaWorldEnv(task, image_size, prompts=prompts, crop=crop, camera_pos=camera_pos)
             for task in self.tasks
             for _ in range(envs_per_task)
         ]

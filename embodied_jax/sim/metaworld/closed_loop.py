@@ -44,6 +44,7 @@ class EvalSettings:
     prompts: str = "lerobot"  # LeRobot's task descriptions, or "project" (sentences of the project's own)
     render_style: str = "fast"  # "lerobot": Meta-World's own renderer settings (see MetaWorldEnv)
     crop: tuple[float, float, float] | None = None  # a window of the frame (see MetaWorldEnv); None: all of it
+    camera_pos: tuple[float, float, float] | None = None  # corner2's position (see MetaWorldEnv); None: LeRobot's
 
 
 def evaluate(
@@ -143,7 +144,14 @@ def _strip(video: np.ndarray, frames: int = 8) -> np.ndarray:
 
 def _evaluate_task(policy: BatchPolicy, task: str, settings: EvalSettings, image_size, *, call_seed: int):
     envs = [
-        MetaWorldEnv(task, image_size, prompts=settings.prompts, render_style=settings.render_style, crop=settings.crop)
+        MetaWorldEnv(
+            task,
+            image_size,
+            prompts=settings.prompts,
+            render_style=settings.render_style,
+            crop=settings.crop,
+            camera_pos=settings.camera_pos,
+        )
         for _ in range(min(settings.envs, settings.episodes))
     ]
     if settings.limit > envs[0].max_path_length:

@@ -129,6 +129,7 @@ class _TaskJob:
     prompts: str
     render_style: str
     crop: tuple[float, float, float] | None
+    camera_pos: tuple[float, float, float] | None
 
 
 def _collect_task(job: _TaskJob) -> tuple[list[str], list[dict]]:
@@ -141,7 +142,14 @@ def _collect_task(job: _TaskJob) -> tuple[list[str], list[dict]]:
         lines.append(
             f"metaworld:{job.task}: scripted success by DART noise ({CALIBRATION_EPISODES} episodes each): {table}"
         )
-    env = MetaWorldEnv(job.task, job.image_size, prompts=job.prompts, render_style=job.render_style, crop=job.crop)
+    env = MetaWorldEnv(
+        job.task,
+        job.image_size,
+        prompts=job.prompts,
+        render_style=job.render_style,
+        crop=job.crop,
+        camera_pos=job.camera_pos,
+    )
     kept, attempts, wins = 0, 0, 0
     try:
         while kept < job.episodes and attempts < job.max_attempts:
@@ -196,6 +204,7 @@ def collect(
     prompts: str = "lerobot",
     render_style: str = "fast",
     crop: tuple[float, float, float] | None = None,
+    camera_pos: tuple[float, float, float] | None = None,
     workers: int = 1,
     log: Callable[[str], None] = print,
 ) -> pathlib.Path:
@@ -209,7 +218,7 @@ def collect(
     the next seed tried, at most ``max_attempts`` (default 2 x episodes + 10) per task. Frames are
     lossless PNG by default, as the hub stores them (``image_storage="video"``: mp4 in ``codec``).
     ``max_steps``: the episode's step limit (:data:`STEP_LIMIT`, the evaluation's; lower only for
-    quick checks). ``prompts``, ``render_style`` and ``crop``: as :class:`MetaWorldEnv` takes them.
+    quick checks). ``prompts``, ``render_style``, ``crop`` and ``camera_pos``: as :class:`MetaWorldEnv` takes them.
     ``workers``: tasks collected in that many processes at once (the dataset is the same)."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
@@ -233,6 +242,7 @@ def collect(
             prompts,
             render_style,
             crop,
+            camera_pos,
         )
         for task in names
     ]

@@ -131,6 +131,19 @@ def check_crop(crop) -> tuple[float, float, float] | None:
     return top, left, size
 
 
+def check_camera_pos(camera_pos) -> tuple[float, float, float] | None:
+    """``corner2``'s position (x, y, z) in metres, finite; or None (LeRobot's, :data:`CAMERA_POS`)."""
+    if camera_pos is None:
+        return None
+    try:
+        pos = tuple(float(x) for x in camera_pos)
+    except (TypeError, ValueError) as exc:
+        raise MetaWorldError(f"camera_pos={camera_pos!r}: (x, y, z) in metres") from exc
+    if len(pos) != 3 or not all(np.isfinite(pos)):
+        raise MetaWorldError(f"camera_pos={camera_pos!r}: three finite coordinates (x, y, z) in metres")
+    return pos
+
+
 @functools.cache
 def lerobot_task(task: str):
     """``(train class, train_tasks[0])`` of ``MT1(task, seed=42)``: what LeRobot builds each environment from."""
@@ -151,7 +164,10 @@ class MetaWorldEnv:
     ``prompts``: ``"lerobot"`` (LeRobot's task descriptions) or ``"project"`` (the project's own).
     ``crop``: ``(top, left, size)``, fractions of LeRobot's (square) frame: the frame is rendered at
     ``image_size / size`` and that window of it returned at ``image_size`` (the same camera, a
-    zoomed view of the workspace; None, the default: the whole frame, as LeRobot's)."""
+    zoomed view of the workspace; None, the default: the whole frame, as LeRobot's).
+    ``camera_pos``: where ``corner2`` is moved instead of LeRobot's :data:`CAMERA_POS` (its
+    orientation unchanged; Meta-World's own pose is :data:`METAWORLD_CAMERA_POS`), to measure the
+    camera as a lever; None, the default: LeRobot's."""
 
     def __init__(
         self,
@@ -161,6 +177,7 @@ class MetaWorldEnv:
         prompts: str = "lerobot",
         render_style: str = "fast",
         crop: tuple[float, float, float] | None = None,
+        camera_pos: tuple[float, float, float] | None = None,
     ):
         from metaworld.policies import ENV_POLICY_MAP
 
@@ -174,12 +191,15 @@ class MetaWorldEnv:
         self.instruction = prompt(task, prompts)
         self.render_style = render_style
         self.crop = check_crop(crop)
+        self.camera_pos = check_camera_pos(camera_pos)
         env_class, first_task = lerobot_task(task)
         env = env_class(render_mode="rgb_array", camera_name=CAMERA)
         env.set_task(first_task)
         import mujoco
 
-        env.model.cam_pos[mujoco.mj_name2id(env.model, mujoco.mjtObj.mjOBJ_CAMERA, CAMERA)] = CAMERA_POS
+        env.model.cam_pos[mujoco.mj_name2id(env.model, mujoco.mjtObj.mjOBJ_CAMERA, CAMERA)] = (
+            self.camera_pos or CAMERA_POS
+        )
         env.reset()
         env._freeze_rand_vec = False  # draw the object and goal positions at every reset...
         env.seeded_rand_vec = True  # ...from the generator that reset's seed sets

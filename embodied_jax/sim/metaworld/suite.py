@@ -18,6 +18,7 @@ CAMERA = "corner2"
 # episode ended by the first success.
 MT1_SEED = 42
 CAMERA_POS = (0.75, 0.075, 0.7)
+METAWORLD_CAMERA_POS = (1.3, -0.2, 1.1)  # corner2 as Meta-World compiles it (the project's camera before)
 LEROBOT_IMAGE_SIZE = (480, 480)
 IMAGE_KEY = "observation.image"
 STATE_KEY = "observation.state"
