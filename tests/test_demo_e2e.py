@@ -266,7 +266,8 @@ def test_the_default_demo_directory_is_per_task():
 @pytest.mark.parametrize("arch", ["pi05", "gr00t"])
 def test_the_demo_fits_its_model_to_the_task(arch):
     """handover (two arms, three cameras) gets 9 state dims with the phase, 8 action dims, an
-    image slot per camera and 1.5x the steps; the one-arm tasks keep the demo's sizes."""
+    image slot per camera and 1.5x the steps; GR00T's pick_place twice the flow draws; the one-arm
+    tasks keep the demo's sizes."""
     from experiments.demo import demo_config, fit_to_task
 
     base = demo_config(arch=arch)
@@ -282,6 +283,9 @@ def test_the_demo_fits_its_model_to_the_task(arch):
     ]
     assert handover.data.pipeline.spec.camera_keys == tuple(k for k, _ in handover.data.inputs.cameras)
     assert handover.train.steps == round(1.5 * base.train.steps)
+    pick = fit_to_task(dataclasses.replace(base, task="pick_place")).model  # GR00T: twice the flow draws
+    assert pick.flow_samples_per_obs == base.model.flow_samples_per_obs * (2 if arch == "gr00t" else 1)
+    assert handover.model.flow_samples_per_obs == base.model.flow_samples_per_obs
     if arch == "pi05":
         assert model.max_action_dim == 8 and model.max_token_len == base.model.max_token_len + 1
     else:
