@@ -91,13 +91,8 @@ class MetaWorldEvaluation(Evaluation):
     """In-training closed-loop evaluation in Meta-World's own environments (``sim.metaworld``):
     ``episodes`` per task, ``envs`` stepped together per policy call, on the evaluation seed."""
 
-    ADDED_FIELDS = (
-        "limit",
-        "prompts",
-        "render_style",
-        "crop",
-        "camera_pos",
-    )  # runs saved before them read back with the defaults
+    # runs saved before these fields read back with their defaults
+    ADDED_FIELDS = ("limit", "prompts", "render_style", "crop", "camera_pos")
 
     tasks: str = "metaworld:mt10"
     episodes: int = 10

@@ -283,9 +283,9 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             batch["start_log_prob"], kl_to_start = start_log_prob(batch, jax.random.fold_in(k_update, 1))
             pool = None
             if rl.ppo.objective == "self_imitation":
-                pool = ppo.imitation_pool(batch, rl.ppo.imitate).size
+                pool = ppo.imitation_pool(batch, rl.ppo.imitate)
                 batch = ppo.imitation_batch(
-                    batch, rl.ppo.imitation_decisions, jax.random.fold_in(k_update, 2), rl.ppo.imitate
+                    batch, rl.ppo.imitation_decisions, jax.random.fold_in(k_update, 2), pool=pool
                 )
             if batch is None:  # self-imitation with no (chosen) successful decision: nothing to imitate
                 new, row = None, {}
@@ -313,7 +313,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             counters["elapsed_s"] = base_elapsed + time.monotonic() - began
             active = np.asarray(batch_rollout.active, bool)
             if pool is not None:
-                row["imitation_pool"] = pool  # the decisions self-imitation could draw from
+                row["imitation_pool"] = int(pool.size)  # the decisions self-imitation could draw from
             row.update(
                 kl_to_start=kl_to_start,
                 success_rate=float(jnp.mean(batch_rollout.success)),

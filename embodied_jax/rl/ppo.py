@@ -174,11 +174,12 @@ def imitation_pool(batch: dict[str, Any], imitate: str = "successes") -> np.ndar
 
 
 def imitation_batch(
-    batch: dict[str, Any], size: int, key: jax.Array, imitate: str = "successes"
+    batch: dict[str, Any], size: int, key: jax.Array, imitate: str = "successes", pool: np.ndarray | None = None
 ) -> dict[str, Any] | None:
-    """``size`` decisions of the flat ``batch`` drawn from its :func:`imitation_pool`, without
-    replacement when there are enough, with it when not; None when the pool is empty."""
-    chosen = imitation_pool(batch, imitate)
+    """``size`` decisions of the flat ``batch`` drawn from its :func:`imitation_pool` (``pool``, when the
+    caller has it already), without replacement when there are enough, with it when not; None when the
+    pool is empty."""
+    chosen = imitation_pool(batch, imitate) if pool is None else pool
     if chosen.size == 0:
         return None
     idx = jax.random.choice(key, chosen, (size,), replace=chosen.size < size)
