@@ -161,12 +161,10 @@ def run_metaworld(config: MetaWorldConfig) -> int:
             names,
             config.episodes,
             dataset,
-            image_size=tuple(config.data.pipeline.image_size),
+            view=dataclasses.replace(
+                config.evaluation, image_size=tuple(config.data.pipeline.image_size), prompts=config.prompts
+            ).view(),
             noise=config.collect_noise,
-            prompts=config.prompts,
-            render_style=config.evaluation.render_style,
-            crop=config.evaluation.crop,
-            camera_pos=config.evaluation.camera_pos,
             workers=config.collect_workers or os.cpu_count() or 1,
         )
     collection_s = time.perf_counter() - t0

@@ -170,6 +170,37 @@ def test_camera_pos_moves_corner2_only_when_asked_and_bad_positions_are_refused(
             metaworld.MetaWorldEnv("reach", (32, 32), camera_pos=bad)
 
 
+def test_a_runs_view_reaches_the_evaluation_and_the_rl_environments():
+    """One ``View`` (size, render style, window, camera, prompts) from the run's config to every
+    environment made for it: in-training evaluation and RL's host-stepped batch alike."""
+    from embodied_jax.evaluation.in_training import MetaWorldEvaluation
+
+    run = MetaWorldEvaluation(
+        tasks="metaworld:reach",
+        image_size=(24, 24),
+        prompts="project",
+        render_style="lerobot",
+        crop=(0.1, 0.3, 0.6),
+        camera_pos=metaworld.METAWORLD_CAMERA_POS,
+    )
+    view = run.view()
+    assert view == metaworld.View((24, 24), "project", "lerobot", (0.1, 0.3, 0.6), metaworld.METAWORLD_CAMERA_POS)
+    assert run.settings().view == view
+    batch = metaworld.MetaWorldBatch(("reach",), 2, view)
+    try:
+        assert [env.view for env in batch.envs] == [view, view]
+        assert batch.envs[0].render_style == "lerobot" and batch.instructions == (metaworld.INSTRUCTIONS["reach"],)
+    finally:
+        batch.close()
+    for bad, field in (
+        ({"prompts": "mine"}, "prompts"),
+        ({"image_size": (0, 8)}, "image_size"),
+        ({"render_style": "x"}, "render_style"),
+    ):
+        with pytest.raises(metaworld.MetaWorldError, match=field):
+            metaworld.View(**bad)
+
+
 def test_protocol_limit_termination_and_prompts():
     """500 steps (Meta-World's max_path_length), the first success ends an episode, LeRobot's prompts
     by default and the project's on request."""
@@ -198,7 +229,7 @@ def test_protocol_limit_termination_and_prompts():
 def test_tasks_collected_in_parallel_make_the_same_dataset(tmp_path):
     from embodied_jax.data.lerobot import LeRobotDataset
 
-    kwargs = dict(image_size=(SIZE, SIZE), max_steps=6, keep_failures=True, log=lambda line: None)
+    kwargs = dict(view=metaworld.View((SIZE, SIZE)), max_steps=6, keep_failures=True, log=lambda line: None)
     serial = LeRobotDataset(metaworld.collect(["reach", "push"], 1, tmp_path / "serial", **kwargs))
     parallel = LeRobotDataset(metaworld.collect(["reach", "push"], 1, tmp_path / "parallel", workers=2, **kwargs))
     assert list(parallel.tasks) == list(serial.tasks) and parallel.num_frames == serial.num_frames == 12
@@ -239,8 +270,10 @@ def jsonable(batch):
 
 def test_evaluation_runs_in_metawords_environments_and_reports(tmp_path):
     policy = RecordingPolicy()
-    settings = metaworld.EvalSettings(episodes=1, envs=1, execute_steps=4, videos=1, limit=20)
-    metrics = metaworld.evaluate(policy, "metaworld:pick-place", settings, image_size=(SIZE, SIZE), out_dir=tmp_path)
+    settings = metaworld.EvalSettings(
+        episodes=1, envs=1, execute_steps=4, videos=1, limit=20, view=metaworld.View((SIZE, SIZE))
+    )
+    metrics = metaworld.evaluate(policy, "metaworld:pick-place", settings, out_dir=tmp_path)
     assert len(policy.calls) == 5  # one batched call per decision: 20 steps / 4
     shapes, _ = policy.calls[0]
     assert shapes["observation.image"] == ((1, SIZE, SIZE, 3), "uint8")
@@ -255,7 +288,7 @@ def test_evaluation_runs_in_metawords_environments_and_reports(tmp_path):
     assert pathlib.Path(metrics["frame_grid"]).stat().st_size > 0
     # Reproducible from its seed: the same observations, and the same policy seeds, again.
     again = RecordingPolicy()
-    metaworld.evaluate(again, "metaworld:pick-place", settings, image_size=(SIZE, SIZE))
+    metaworld.evaluate(again, "metaworld:pick-place", settings)
     assert [seed for _, seed in again.calls] == [seed for _, seed in policy.calls]
     for first, second in zip(policy.images, again.images, strict=True):
         np.testing.assert_array_equal(first, second)
@@ -263,8 +296,10 @@ def test_evaluation_runs_in_metawords_environments_and_reports(tmp_path):
 
 def test_evaluation_steps_several_environments_per_policy_call():
     policy = RecordingPolicy()
-    settings = metaworld.EvalSettings(episodes=3, envs=2, execute_steps=8, seed=2, videos=0, limit=8)
-    metrics = metaworld.evaluate(policy, "metaworld:reach", settings, image_size=(SIZE, SIZE))
+    settings = metaworld.EvalSettings(
+        episodes=3, envs=2, execute_steps=8, seed=2, videos=0, limit=8, view=metaworld.View((SIZE, SIZE))
+    )
+    metrics = metaworld.evaluate(policy, "metaworld:reach", settings)
     assert metrics["episodes"] == 3
     # Two groups (2 + 1 environments), one decision each; every call has the same batch of 2 rows.
     assert [shapes["observation.image"][0][0] for shapes, _ in policy.calls] == [2, 2]
@@ -353,8 +388,10 @@ def test_learning_curve_plots_every_in_training_success_rate(tmp_path):
 
 def test_an_evaluation_can_prompt_with_sentences_the_policy_never_trained_on():
     policy = RecordingPolicy()
-    settings = metaworld.EvalSettings(episodes=1, envs=1, execute_steps=8, videos=0, limit=8, prompts="project")
-    metaworld.evaluate(policy, "metaworld:push", settings, image_size=(SIZE, SIZE))
+    settings = metaworld.EvalSettings(
+        episodes=1, envs=1, execute_steps=8, videos=0, limit=8, view=metaworld.View((SIZE, SIZE), "project")
+    )
+    metaworld.evaluate(policy, "metaworld:push", settings)
     (shapes, _), *_ = policy.calls
     assert shapes["task"] == [metaworld.INSTRUCTIONS["push"]] != [metaworld.LEROBOT_DESCRIPTIONS["push"]]
 

@@ -193,16 +193,26 @@ def evaluate_metaworld(
     settings = defaults(bundle)
     run = bundle.config.evaluation if isinstance(bundle.config.evaluation, MetaWorldEvaluation) else None
     episodes = 10 if episodes is None else episodes
+    # The run's own view (its frames' size, 480 for the hub's data, window and camera, its prompts)
+    # unless an argument says otherwise.
+    try:
+        shown = run.view() if run else metaworld.View(tuple(bundle.image_size or settings["image_size"]))
+        view = metaworld.View(
+            tuple(image_size or shown.image_size),
+            prompts or shown.prompts,
+            render_style or shown.render_style,
+            shown.crop,
+            shown.camera_pos,
+        )
+    except metaworld.MetaWorldError as exc:
+        raise EvaluationError(str(exc)) from exc
     config = metaworld.EvalSettings(
         episodes=episodes,
         envs=min(episodes, envs or metaworld.EvalSettings.envs),
         execute_steps=settings["execute_steps"] if execute_steps is None else execute_steps,
         seed=metaworld.TEST_SEED if seed is None else seed,
         videos=videos,
-        prompts=prompts or (run.prompts if run else metaworld.EvalSettings.prompts),
-        render_style=render_style or (run.render_style if run else metaworld.EvalSettings.render_style),
-        crop=run.crop if run else None,  # the window of the frame the policy was trained on
-        camera_pos=run.camera_pos if run else None,  # and the camera it saw it from
+        view=view,
     )
     missing = [key for key in bundle.inputs.camera_keys if key != metaworld.IMAGE_KEY]
     if missing or bundle.action_dim not in (None, 4):
@@ -210,14 +220,12 @@ def evaluate_metaworld(
             f"Meta-World gives {metaworld.IMAGE_KEY} and takes 4-dim actions; the policy needs cameras "
             f"{list(bundle.inputs.camera_keys)} and predicts {bundle.action_dim}-dim actions"
         )
-    # The run's own Meta-World evaluation renders at the size its frames had (480 for the hub's data).
-    image_size = tuple(image_size or (run.image_size if run else None) or bundle.image_size or settings["image_size"])
 
     def policy(batch, call_seed):
         return bundle.predict(batch, rng=jax.random.key(call_seed))
 
     try:
-        metrics = metaworld.evaluate(policy, task, config, image_size=image_size, out_dir=out_dir)
+        metrics = metaworld.evaluate(policy, task, config, out_dir=out_dir)
     except metaworld.MetaWorldError as exc:
         raise EvaluationError(str(exc)) from exc
     metrics = {**metrics, "step": bundle.step, "seed": config.seed}

@@ -109,21 +109,18 @@ class MetaWorldEvaluation(Evaluation):
     # corner2's position (x, y, z), as collected (sim.metaworld.MetaWorldEnv); None: LeRobot's.
     camera_pos: tuple[float, float, float] | None = None
 
+    def view(self):
+        """What the policy is shown (``sim.metaworld.View``): frames as collected, the run's prompts."""
+        from embodied_jax.sim import metaworld
+
+        return metaworld.View(tuple(self.image_size), self.prompts, self.render_style, self.crop, self.camera_pos)
+
     def settings(self):
         from embodied_jax.sim import metaworld
 
         envs = min(self.envs, self.episodes)
         return metaworld.EvalSettings(
-            self.episodes,
-            envs,
-            self.execute_steps,
-            self.seed,
-            videos=0,
-            limit=self.limit,
-            prompts=self.prompts,
-            render_style=self.render_style,
-            crop=self.crop,
-            camera_pos=self.camera_pos,
+            self.episodes, envs, self.execute_steps, self.seed, videos=0, limit=self.limit, view=self.view()
         )
 
     def start(self, model: Any, *, config: Any, norm_stats: Mapping[str, Any] | None) -> MetaWorldEvaluationRun:
@@ -144,9 +141,7 @@ class MetaWorldEvaluationRun:
         def policy(batch, call_seed):
             return self.bundle.predict(batch, rng=jax.random.key(call_seed))
 
-        report = metaworld.evaluate(
-            policy, self.evaluation.tasks, self.evaluation.settings(), image_size=tuple(self.evaluation.image_size)
-        )
+        report = metaworld.evaluate(policy, self.evaluation.tasks, self.evaluation.settings())
         metrics = {"metaworld/success_rate": report["success_rate"], "metaworld/group_average": report["group_average"]}
         for name, entry in (*report["per_task"].items(), *report["per_difficulty"].items()):
             metrics[f"metaworld/{name}/success_rate"] = entry["success_rate"]

@@ -146,7 +146,7 @@ class MetaWorldHeldOut:
         from embodied_jax.sim import metaworld
 
         rl, evaluation = config.rl, st.base.evaluation
-        self.st, self.tasks, self.image_size = st, rl.task, tuple(evaluation.image_size)
+        self.st, self.tasks = st, rl.task
         self.settings = dataclasses.replace(
             evaluation.settings(),
             episodes=rl.eval_envs,
@@ -162,7 +162,7 @@ class MetaWorldHeldOut:
         def policy(batch, call_seed):
             return bundle.predict(batch, rng=jax.random.key(call_seed))
 
-        return self.evaluate(policy, self.tasks, self.settings, image_size=self.image_size)
+        return self.evaluate(policy, self.tasks, self.settings)
 
 
 def held_out_evaluation(st: Start, config: RLExperimentConfig, execute_steps: int):

@@ -118,7 +118,7 @@ def start(config: RLExperimentConfig, devices: list | None = None) -> Start:
 
 def _metaworld_start(config, base, rt, state, norm_stats, bundle, params) -> Start:
     """Meta-World's own environments, stepped on the host (``sim.metaworld.MetaWorldBatch``), for a
-    run trained on Meta-World (its evaluation's image size, prompts and crop); ``rl.num_envs`` split
+    run trained on Meta-World (its evaluation's view: frames and prompts as it trained on them); ``rl.num_envs`` split
     evenly over the tasks, each row's prompt its task's."""
     from embodied_jax.sim.metaworld import IMAGE_KEY, MetaWorldBatch, parse_tasks
 
@@ -136,10 +136,7 @@ def _metaworld_start(config, base, rt, state, norm_stats, bundle, params) -> Sta
     envs = MetaWorldBatch(
         tasks,
         config.rl.num_envs // len(tasks),
-        tuple(evaluation.image_size),
-        prompts=evaluation.prompts,
-        crop=evaluation.crop,
-        camera_pos=evaluation.camera_pos,
+        evaluation.view(),
         limit=evaluation.limit,
     )
     ios = [device_io(bundle, instruction, {envs.camera: IMAGE_KEY}) for instruction in envs.instructions]

@@ -345,15 +345,13 @@ def run(args: CollectFlags) -> pathlib.Path:
             args.task,
             args.episodes,
             args.out,
-            image_size=size,
+            view=metaworld.View(size, args.prompts, args.render_style),
             seed=args.seed,
             noise=None if noise == "auto" else 0.0 if noise is None else noise,  # none by default, as the hub's
             keep_failures=args.keep_failures,
             image_storage=args.image_storage,
             codec=args.codec,
             workers=args.workers,
-            prompts=args.prompts,
-            render_style=args.render_style,
             **({} if args.max_steps is None else {"max_steps": args.max_steps}),
         )
         print(f"wrote {args.episodes} episodes of each of {args.task} to {root}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from embodied_jax.sim.metaworld.env import MetaWorldEnv
+from embodied_jax.sim.metaworld.env import View
 from embodied_jax.sim.metaworld.suite import STEP_LIMIT, episode_seed
 from embodied_jax.sim.seeds import RL_SEED
 
@@ -24,21 +24,15 @@ class MetaWorldBatch:
         self,
         tasks: tuple[str, ...],
         envs_per_task: int,
-        image_size: tuple[int, int],
+        view: View | None = None,
         *,
-        prompts: str = "lerobot",
-        crop: tuple[float, float, float] | None = None,
-        camera_pos: tuple[float, float, float] | None = None,
         limit: int = STEP_LIMIT,
     ):
         if envs_per_task < 1:
             raise ValueError(f"envs_per_task={envs_per_task}: at least 1")
         self.tasks = tuple(tasks)
-        self.envs = [
-            MetaWorldEnv(task, image_size, prompts=prompts, crop=crop, camera_pos=camera_pos)
-            for task in self.tasks
-            for _ in range(envs_per_task)
-        ]
+        view = view or View()  # LeRobot's frames at 64 px, LeRobot's prompts
+        self.envs = [view.env(task) for task in self.tasks for _ in range(envs_per_task)]
         self.row_task = [task for task in self.tasks for _ in range(envs_per_task)]
         self.instructions = tuple(env.instruction for env in self.envs[::envs_per_task])  # one per task
         self._task_index = np.repeat(np.arange(len(self.tasks), dtype=np.int32), envs_per_task)

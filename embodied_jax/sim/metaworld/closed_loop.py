@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from embodied_jax.sim.metaworld.env import MetaWorldEnv, check_gl
+from embodied_jax.sim.metaworld.env import View, check_gl
 from embodied_jax.sim.metaworld.suite import (
     DIFFICULTY,
     FPS,
@@ -41,10 +41,7 @@ class EvalSettings:
     seed: int = TEST_SEED  # reset seeds of the reported figures; VALIDATION_SEED for choosing settings
     videos: int = 1  # first episodes per task written as mp4 (decision frames)
     limit: int = STEP_LIMIT  # steps per episode (LeRobot's: Meta-World's max_path_length)
-    prompts: str = "lerobot"  # LeRobot's task descriptions, or "project" (sentences of the project's own)
-    render_style: str = "fast"  # "lerobot": Meta-World's own renderer settings (see MetaWorldEnv)
-    crop: tuple[float, float, float] | None = None  # a window of the frame (see MetaWorldEnv); None: all of it
-    camera_pos: tuple[float, float, float] | None = None  # corner2's position (see MetaWorldEnv); None: LeRobot's
+    view: View = View()  # the frames' size and rendering and the prompts (LeRobot's descriptions by default)
 
 
 def evaluate(
@@ -52,7 +49,6 @@ def evaluate(
     tasks: str | Sequence[str],
     settings: EvalSettings = EvalSettings(),
     *,
-    image_size: tuple[int, int] = (64, 64),
     out_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Closed-loop success of ``policy`` per task, per difficulty group and overall (95% Wilson
@@ -72,7 +68,7 @@ def evaluate(
     examples: dict[tuple[str, bool], tuple[str, np.ndarray]] = {}  # (group, success) -> (task, first video)
     for t, task in enumerate(names):
         successes, lengths, videos, video_successes = _evaluate_task(
-            policy, task, settings, image_size, call_seed=settings.seed * 7919 + t
+            policy, task, settings, call_seed=settings.seed * 7919 + t
         )
         wins = int(np.sum(successes))
         low, high = wilson_interval(wins, len(successes))
@@ -118,7 +114,7 @@ def evaluate(
         "per_task": per_task,
         "per_difficulty": groups,
         "settings": dataclasses.asdict(settings),
-        "image_size": list(image_size),
+        "image_size": list(settings.view.image_size),
         "videos": [v for e in per_task.values() for v in e.get("videos", [])],
     }
     if out is not None and grid_rows:
@@ -142,18 +138,8 @@ def _strip(video: np.ndarray, frames: int = 8) -> np.ndarray:
     return video[np.linspace(0, len(video) - 1, frames).round().astype(int)]
 
 
-def _evaluate_task(policy: BatchPolicy, task: str, settings: EvalSettings, image_size, *, call_seed: int):
-    envs = [
-        MetaWorldEnv(
-            task,
-            image_size,
-            prompts=settings.prompts,
-            render_style=settings.render_style,
-            crop=settings.crop,
-            camera_pos=settings.camera_pos,
-        )
-        for _ in range(min(settings.envs, settings.episodes))
-    ]
+def _evaluate_task(policy: BatchPolicy, task: str, settings: EvalSettings, *, call_seed: int):
+    envs = [settings.view.env(task) for _ in range(min(settings.envs, settings.episodes))]
     if settings.limit > envs[0].max_path_length:
         raise ValueError(f"limit={settings.limit}: Meta-World ends its episodes at {envs[0].max_path_length} steps")
     successes, lengths, videos, video_successes = [], [], [], []

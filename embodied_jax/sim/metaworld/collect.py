@@ -18,7 +18,7 @@ import numpy as np
 
 from embodied_jax.sim import dart
 from embodied_jax.sim.dart import DART_TARGET
-from embodied_jax.sim.metaworld.env import MetaWorldEnv, check_gl
+from embodied_jax.sim.metaworld.env import MetaWorldEnv, View, check_gl
 from embodied_jax.sim.metaworld.suite import (
     ACTION_KEY,
     CALIBRATION_SEED,
@@ -120,16 +120,12 @@ HUB_FRAMES_PER_EPISODE = 82  # lerobot/metaworld_mt50: 204,806 frames in 2500 ep
 class _TaskJob:
     task: str
     episodes: int
-    image_size: tuple[int, int]
+    view: View
     seed: int
     noise: float | None
     keep_failures: bool
     max_attempts: int
     max_steps: int
-    prompts: str
-    render_style: str
-    crop: tuple[float, float, float] | None
-    camera_pos: tuple[float, float, float] | None
 
 
 def _collect_task(job: _TaskJob) -> tuple[list[str], list[dict]]:
@@ -142,14 +138,7 @@ def _collect_task(job: _TaskJob) -> tuple[list[str], list[dict]]:
         lines.append(
             f"metaworld:{job.task}: scripted success by DART noise ({CALIBRATION_EPISODES} episodes each): {table}"
         )
-    env = MetaWorldEnv(
-        job.task,
-        job.image_size,
-        prompts=job.prompts,
-        render_style=job.render_style,
-        crop=job.crop,
-        camera_pos=job.camera_pos,
-    )
+    env = job.view.env(job.task)
     kept, attempts, wins = 0, 0, 0
     try:
         while kept < job.episodes and attempts < job.max_attempts:
@@ -193,7 +182,7 @@ def collect(
     episodes: int,
     out: str | os.PathLike,
     *,
-    image_size: tuple[int, int] = (64, 64),
+    view: View | None = None,
     seed: int = COLLECTION_SEED,
     noise: float | None = 0.0,
     keep_failures: bool = False,
@@ -201,16 +190,12 @@ def collect(
     image_storage: str = "png",
     codec: str = "h264",
     max_steps: int = STEP_LIMIT,
-    prompts: str = "lerobot",
-    render_style: str = "fast",
-    crop: tuple[float, float, float] | None = None,
-    camera_pos: tuple[float, float, float] | None = None,
     workers: int = 1,
     log: Callable[[str], None] = print,
 ) -> pathlib.Path:
     """``episodes`` scripted demonstrations per task written as one LeRobot v3.0 dataset in
-    ``lerobot/metaworld_mt50``'s layout (its features, dtypes and 80 fps; images at ``image_size``,
-    480 for the hub's).
+    ``lerobot/metaworld_mt50``'s layout (its features, dtypes and 80 fps); frames and prompts as
+    ``view`` shows them (:class:`View`: 64 px by default, 480 for the hub's frames).
 
     ``noise``: DART std in action units for every task (0: none, as the hub's dataset); None:
     calibrated per task (:func:`calibrate_noise`, printed). Episode ``i`` of a task resets with
@@ -218,7 +203,7 @@ def collect(
     the next seed tried, at most ``max_attempts`` (default 2 x episodes + 10) per task. Frames are
     lossless PNG by default, as the hub stores them (``image_storage="video"``: mp4 in ``codec``).
     ``max_steps``: the episode's step limit (:data:`STEP_LIMIT`, the evaluation's; lower only for
-    quick checks). ``prompts``, ``render_style``, ``crop`` and ``camera_pos``: as :class:`MetaWorldEnv` takes them.
+    quick checks).
     ``workers``: tasks collected in that many processes at once (the dataset is the same)."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
@@ -228,21 +213,18 @@ def collect(
     check_gl()
     if noise is not None and not (np.isfinite(noise) and noise >= 0):
         raise ValueError(f"noise={noise}: a finite std in action units, >= 0")
-    check_memory(len(names), episodes, tuple(image_size))
+    view = view or View()
+    check_memory(len(names), episodes, view.image_size)
     jobs = [
         _TaskJob(
             task,
             episodes,
-            tuple(int(x) for x in image_size),
+            view,
             seed,
             noise,
             keep_failures,
             max_attempts or 2 * episodes + 10,
             max_steps,
-            prompts,
-            render_style,
-            crop,
-            camera_pos,
         )
         for task in names
     ]

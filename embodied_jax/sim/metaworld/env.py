@@ -1,8 +1,11 @@
 """Meta-World's own environments, built as LeRobot builds them: the import adapted to this MuJoCo
-(the weld width), headless OpenGL, and one task's environment reset from a seed and rendered upright."""
+(the weld width), headless OpenGL, one task's environment reset from a seed and rendered upright, and
+the ``View`` a run shows its policy (frame size, render style, window, camera, prompts), which every
+environment made for the run takes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -16,6 +19,7 @@ from embodied_jax.sim.metaworld.suite import (
     INSTALL,
     INSTRUCTIONS,
     MT1_SEED,
+    PROMPTS,
     VERSION,
     MetaWorldError,
     prompt,
@@ -144,6 +148,40 @@ def check_camera_pos(camera_pos) -> tuple[float, float, float] | None:
     return pos
 
 
+@dataclasses.dataclass(frozen=True)
+class View:
+    """What a policy is shown of a Meta-World task: the frame's size (height, width), how it is
+    rendered (``render_style``, a ``crop`` window, ``corner2``'s ``camera_pos``) and the prompts'
+    wording; checked when made. A run's view travels as one value to every environment made for it
+    (collection, evaluation, RL rollouts), so that each shows the policy what it trained on.
+    The fields are :class:`MetaWorldEnv`'s."""
+
+    image_size: tuple[int, int] = (64, 64)
+    prompts: str = "lerobot"
+    render_style: str = "fast"
+    crop: tuple[float, float, float] | None = None
+    camera_pos: tuple[float, float, float] | None = None
+
+    def __post_init__(self):
+        try:
+            size = tuple(int(x) for x in self.image_size)
+        except (TypeError, ValueError) as exc:
+            raise MetaWorldError(f"image_size={self.image_size!r}: (height, width), both >= 1") from exc
+        if len(size) != 2 or min(size) < 1:
+            raise MetaWorldError(f"image_size={self.image_size!r}: (height, width), both >= 1")
+        if self.render_style not in RENDER_STYLES:
+            raise MetaWorldError(f"render_style={self.render_style!r}: one of {', '.join(RENDER_STYLES)}")
+        if self.prompts not in PROMPTS:
+            raise MetaWorldError(f"prompts={self.prompts!r}: one of {', '.join(PROMPTS)}")
+        object.__setattr__(self, "image_size", size)
+        object.__setattr__(self, "crop", check_crop(self.crop))
+        object.__setattr__(self, "camera_pos", check_camera_pos(self.camera_pos))
+
+    def env(self, task: str) -> MetaWorldEnv:
+        """``task``'s environment showing this view."""
+        return MetaWorldEnv(task, **dataclasses.asdict(self))
+
+
 @functools.cache
 def lerobot_task(task: str):
     """``(train class, train_tasks[0])`` of ``MT1(task, seed=42)``: what LeRobot builds each environment from."""
@@ -183,15 +221,11 @@ class MetaWorldEnv:
 
         if task not in INSTRUCTIONS:
             raise MetaWorldError(f"unknown Meta-World task {task!r}")
-        if render_style not in RENDER_STYLES:
-            raise MetaWorldError(f"render_style={render_style!r}: one of {', '.join(RENDER_STYLES)}")
-        self.task, self.image_size = task, tuple(int(x) for x in image_size)
-        if len(self.image_size) != 2 or min(self.image_size) < 1:
-            raise MetaWorldError(f"image_size={image_size}: (height, width), both >= 1")
+        self.task = task
+        self.view = View(image_size, prompts, render_style, crop, camera_pos)
+        self.image_size, self.render_style = self.view.image_size, self.view.render_style
+        self.crop, self.camera_pos = self.view.crop, self.view.camera_pos
         self.instruction = prompt(task, prompts)
-        self.render_style = render_style
-        self.crop = check_crop(crop)
-        self.camera_pos = check_camera_pos(camera_pos)
         env_class, first_task = lerobot_task(task)
         env = env_class(render_mode="rgb_array", camera_name=CAMERA)
         env.set_task(first_task)
