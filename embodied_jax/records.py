@@ -70,7 +70,30 @@ def machine() -> dict[str, Any]:
 
 def config_hash(config: Any) -> str:
     """sha256 (first 16 hex digits) of the config as it is saved (``config_registry.to_dict``)."""
-    payload = json.dumps(config_registry.to_dict(config), sort_keys=True, default=str)
+    return _digest(config_registry.to_dict(config))
+
+
+# Fields that differ between repeated runs of one setting (seed, run directory) or only say how a
+# run is kept and shown.
+PER_RUN_FIELDS = ("workdir", "train.seed", "checkpoint.save_every", "checkpoint.keep_last", "metrics.progress_bar")
+
+
+def setting_hash(config: Any) -> str:
+    """:func:`config_hash` less :data:`PER_RUN_FIELDS`: equal for the runs of one setting whatever
+    their seeds, and different when a default the setting relies on has changed since a run."""
+    tree = config_registry.to_dict(config)
+    for path in PER_RUN_FIELDS:
+        *parents, leaf = path.split(".")
+        node = tree.get("config", tree)
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return _digest(tree)
+
+
+def _digest(tree: Any) -> str:
+    payload = json.dumps(tree, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

@@ -194,7 +194,7 @@ def check_reuse(config: DemoConfig, workdir: pathlib.Path) -> None:
 
 def run_demo(config: DemoConfig) -> int:
     """The demo's pipeline: collect expert demonstrations (or reuse them), train, evaluate closed-loop."""
-    from embodied_jax import load_policy
+    from embodied_jax import load_policy, records
     from embodied_jax.sim.collect import collect
     from embodied_jax.train.loop import train
     from experiments.progress import expected_duration, heartbeat
@@ -203,7 +203,8 @@ def run_demo(config: DemoConfig) -> int:
     workdir = run_directory(config)
     dataset = workdir / "dataset"
     check_reuse(config, workdir)
-    print(expected_duration(config.name), flush=True)
+    fitted = fit_to_task(config)
+    print(expected_duration(config.name, setting_hash=records.setting_hash(fitted)), flush=True)
     wall = {}
     if (dataset / "meta" / "info.json").exists():
         from embodied_jax.data.lerobot import LeRobotDataset
@@ -224,7 +225,6 @@ def run_demo(config: DemoConfig) -> int:
             )
     wall["collection"] = time.perf_counter() - t0
     tokenizer = build_demo_tokenizer(config, workdir)
-    fitted = fit_to_task(config)
     spec = fitted.data.pipeline.spec
     if config.delta_actions:
         from embodied_jax.sim.tasks import TASKS
@@ -286,6 +286,7 @@ def run_demo(config: DemoConfig) -> int:
             seeds=seeds,
             wall_s=wall,
             shared_machine=config.shared_machine,
+            setting=fitted,
         )
         print(record.save(row))
     return 0

@@ -19,24 +19,40 @@ from experiments.record import command_overrides
 HEARTBEAT_S = 30.0
 
 
-def expected_duration(name: str, overrides: list[str] | None = None, results: pathlib.Path = RESULTS) -> str:
+def expected_duration(
+    name: str,
+    overrides: list[str] | None = None,
+    results: pathlib.Path = RESULTS,
+    setting_hash: str | None = None,
+) -> str:
     """The latest clean row in ``results/<name>.jsonl`` of this command's setting (its overrides
     less the training seed, run directory and bookkeeping flags, ``report.setting``): its wall time,
-    its split, its machine and whether other work shared the machine; or that there is none yet."""
+    its split, its machine and whether other work shared the machine; or that there is none yet.
+    With ``setting_hash`` (``records.setting_hash`` of the config as launched), a row of the same
+    config is preferred, and a row of the same flags whose config differs (a default changed since,
+    or a row from before rows carried the hash) is shown as such."""
     wanted = setting(list(command_overrides(sys.argv[1:]) if overrides is None else overrides))
     path = results / f"{name}.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     same = [r for r in rows if r.get("clean") and setting(r.get("overrides", [])) == wanted]
     if not same:
         return f"expected duration: no recorded run of this command yet (results/{name}.jsonl)"
-    row = same[-1]
+    exact = [r for r in same if setting_hash is not None and r.get("setting_hash") == setting_hash]
+    row = (exact or same)[-1]
+    caveat = ""
+    if setting_hash is not None and not exact:
+        caveat = (
+            "; that run's defaults differed from this checkout's, so take it as a rough guide"
+            if "setting_hash" in row
+            else "; that row predates config hashes in rows, so its defaults may differ from this checkout's"
+        )
     wall = row.get("wall_s", {})
     split = ", ".join(f"{k} {v / 60:.1f}" for k, v in wall.items())
     machine = row.get("machine", {})
     alone = "with other work on the machine" if machine.get("shared") else "alone on the machine"
     return (
         f"expected duration: {sum(wall.values()) / 60:.1f} min ({split}) in the run recorded at "
-        f"{row.get('commit')}, {machine.get('cores', '?')} cores, {alone}"
+        f"{row.get('commit')}, {machine.get('cores', '?')} cores, {alone}{caveat}"
     )
 
 

@@ -20,6 +20,7 @@ from embodied_jax import records
 from experiments.benchmarks.harness import RESULTS, ROOT
 
 config_hash = records.config_hash
+setting_hash = records.setting_hash
 
 
 def command_overrides(argv: list[str]) -> list[str]:
@@ -42,10 +43,13 @@ def success_row(
     overrides: list[str] | None = None,
     experiment: str | None = None,
     shared_machine: bool = False,
+    setting: Any = None,
 ) -> dict[str, Any]:
     """A learning result's row in ``<name>.jsonl``. The command names ``experiment``, by default the one
     launched, which differs from ``name`` when ``--name`` files a run apart (``metaworld --name
-    metaworld_levers``)."""
+    metaworld_levers``). ``setting``: the experiment's config as launched (before its run directory
+    and data paths are filled in), whose ``setting_hash`` tells a later run of the same command
+    whether its defaults are still the ones this row ran with (``experiments/progress.py``)."""
     overrides = list(command_overrides(sys.argv[1:]) if overrides is None else overrides)
     experiment = experiment or launched_experiment(sys.argv[1:], name)
     return records.row(
@@ -55,6 +59,7 @@ def success_row(
         result=dict(result),
         config=config,
         extra={
+            **({} if setting is None else {"setting_hash": records.setting_hash(setting)}),
             "overrides": overrides,
             "seeds": dict(seeds),
             "wall_s": {k: round(float(v), 1) for k, v in wall_s.items()},

@@ -260,6 +260,25 @@ def test_a_success_row_from_uncommitted_changes_is_marked_and_left_out_of_the_ta
     assert said.startswith("expected duration: 0.1 min (collection 0.0, training 0.0, evaluation 0.1)")
     assert "abc123," in said and "alone on the machine" in said
     assert "no recorded run" in expected_duration("toy_success", ["--train.steps", "6"], tmp_path)
+    # Rows carry the hash of their setting (the config less its seed and run directory): a run of the
+    # same flags whose defaults have changed since is told so; a run of the same config is not.
+    assert "predates config hashes" in expected_duration("toy_success", ["--train.steps", "5"], tmp_path, "0" * 16)
+    monkeypatch.setattr(records, "commit", lambda root, outputs=None: "def456")
+    reseeded = dataclasses.replace(config, workdir="elsewhere", train=dataclasses.replace(config.train, seed=7))
+    assert (
+        record.setting_hash(reseeded)
+        == record.setting_hash(config)
+        != record.setting_hash(
+            dataclasses.replace(config, train=dataclasses.replace(config.train, steps=config.train.steps + 1))
+        )
+    )
+    kwargs = dict(seeds={"training": 7}, wall_s={"training": 600.0}, overrides=["--train.steps", "5"])
+    record.append(record.success_row("toy_success", reseeded, result={}, setting=reseeded, **kwargs), tmp_path)
+    now = record.setting_hash(config)
+    assert "def456" in expected_duration("toy_success", ["--train.steps", "5"], tmp_path, now)
+    assert "differed" not in expected_duration("toy_success", ["--train.steps", "5"], tmp_path, now)
+    changed = expected_duration("toy_success", ["--train.steps", "5"], tmp_path, "0" * 16)
+    assert "def456" in changed and "defaults differed from this checkout's" in changed
 
 
 def test_runs_that_differ_only_in_the_training_seed_are_reported_together(tmp_path, monkeypatch):
