@@ -138,14 +138,17 @@ def is_gr00t(config: MetaWorldConfig) -> bool:
 
 def run_metaworld(config: MetaWorldConfig) -> int:
     """Collect scripted demonstrations of the tasks (or reuse them), train, evaluate in Meta-World."""
-    from embodied_jax import load_policy
+    from embodied_jax import load_policy, records
     from embodied_jax.evaluation.closed_loop import evaluate_metaworld, report_lines
     from embodied_jax.sim import media, metaworld
     from embodied_jax.train.loop import train
+    from experiments.progress import expected_duration
 
     t0 = time.perf_counter()
+    launched = config
     workdir = run_directory(config)
     check_reuse(config, workdir)
+    print(expected_duration(config.name, setting_hash=records.setting_hash(launched)), flush=True)
     names = metaworld.parse_tasks(config.tasks)
     dataset = pathlib.Path(config.dataset) if config.dataset else workdir / "dataset"
     if (dataset / "meta" / "info.json").exists():
@@ -233,6 +236,7 @@ def run_metaworld(config: MetaWorldConfig) -> int:
             },
             wall_s=wall,
             shared_machine=config.shared_machine,
+            setting=launched,
         )
         print(record.save(row))
     return 0
