@@ -181,10 +181,49 @@ def test_alternate_calls_every_variant_once_per_round_in_order():
 
 
 def test_performance_doc_holds_the_tables_the_recorded_results_give():
-    """docs/performance.md's recorded tables are generated (``python -m experiments.benchmarks.report``)."""
+    """docs/performance.md's recorded tables and README's headline success rates are generated
+    (``python -m experiments.benchmarks.report``)."""
     from experiments.benchmarks import report
 
     assert report.main(["--check"]) == 0
+
+
+def test_readme_headline_rates_come_from_the_rows_of_their_setting(tmp_path, monkeypatch):
+    """One line per setting: its clean rows' latest per training seed, one run's rate and interval or
+    several runs' mean and min-max; other settings and dirty rows are not counted; a tampered row
+    makes the table stale."""
+    from experiments.benchmarks import headline_table
+
+    def row(seed, rate, *, overrides=("--task", "pick_place", "--train.seed"), clean=True):
+        return {
+            "commit": "abc1234def" if clean else "abc1234def-dirty",
+            "clean": clean,
+            "overrides": [*overrides, str(seed)],
+            "seeds": {"training": seed, "test": 1},
+            "result": {"success_rate": rate, "success_ci95": [rate - 0.1, rate + 0.05], "episodes": 128},
+        }
+
+    rows = [row(0, 0.5), row(0, 0.75), row(1, 0.25), row(2, 0.0, clean=False), row(3, 1.0, overrides=("--train.seed",))]
+    (tmp_path / "toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = (
+        headline_table.Headline("toy pick", "toy", ("--task", "pick_place"), "docs/demo.md"),
+        headline_table.Headline("toy reach", "toy", (), "docs/demo.md"),
+        headline_table.Headline("never run", "absent", (), "docs/demo.md"),
+    )
+    monkeypatch.setattr(headline_table, "ROWS", lines)
+    table = headline_table.render(tmp_path)
+    assert "| toy pick | mean 50.0%, min-max 25.0%-75.0% over 2 training runs, 128 test-seed episodes each |" in table
+    assert "| toy reach | 100.0% (90.0%-105.0%), 128 test-seed episodes |" in table
+    assert "| never run | no recorded run | `results/absent.jsonl` - |" in table
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{headline_table.BEGIN}\n{headline_table.END}\n")
+    assert not headline_table.is_current(readme, tmp_path)
+    headline_table.write(readme, tmp_path)
+    assert headline_table.is_current(readme, tmp_path) and readme.read_text().startswith("# x\n\n")
+    (tmp_path / "toy.jsonl").write_text((tmp_path / "toy.jsonl").read_text().replace("0.75", "0.95", 1))
+    assert not headline_table.is_current(readme, tmp_path)
+    with pytest.raises(ValueError, match="markers"):
+        headline_table.write(tmp_path / "toy.jsonl", tmp_path)
 
 
 def test_a_recorded_row_names_its_commit_machine_and_command(tmp_path, monkeypatch):

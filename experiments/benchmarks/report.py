@@ -1,4 +1,5 @@
-"""``python -m experiments.benchmarks.report [--check]``: docs/performance.md's recorded tables, from data.
+"""``python -m experiments.benchmarks.report [--check]``: docs/performance.md's recorded tables and
+README's headline success rates (``headline_table.py``), from data.
 
 Every benchmark run with ``--record`` appends one JSON line to ``results/<benchmark>.jsonl``
 (``harness.record``: commit, date, machine, command, result). This writes, between the markers
@@ -324,18 +325,28 @@ class Flags:
     """report's command line."""
 
     check: bool = False
-    """exit 1 when docs/performance.md is out of date"""
+    """exit 1 when docs/performance.md or README's headline success rates are out of date"""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_flags(
         Flags, args=argv, prog="python -m experiments.benchmarks.report", description=__doc__.splitlines()[0]
     )
+    from experiments.benchmarks import headline_table
+
     text = DOC.read_text()
     section, fresh = _section(text), render()
     if args.check:
-        if not is_current():
-            print(f"{DOC.name}: the recorded tables differ from results/: run python -m experiments.benchmarks.report")
+        stale = [
+            doc.name
+            for doc, current in ((DOC, is_current()), (headline_table.README, headline_table.is_current()))
+            if not current
+        ]
+        if stale:
+            print(
+                f"{', '.join(stale)}: the recorded tables differ from results/: "
+                "run python -m experiments.benchmarks.report"
+            )
             return 1
         return 0
     if section is None:
@@ -343,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         text = text.replace(section, fresh)
     DOC.write_text(text)
-    print(f"wrote {DOC}")
+    headline_table.write()
+    print(f"wrote {DOC} and {headline_table.README.name}'s headline success rates")
     return 0
 
 
