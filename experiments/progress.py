@@ -13,8 +13,7 @@ import time
 from collections.abc import Iterator
 
 from experiments.benchmarks.harness import RESULTS
-from experiments.benchmarks.report import setting
-from experiments.record import command_overrides
+from experiments.record import command_overrides, setting
 
 HEARTBEAT_S = 30.0
 
@@ -26,7 +25,7 @@ def expected_duration(
     setting_hash: str | None = None,
 ) -> str:
     """The latest clean row in ``results/<name>.jsonl`` of this command's setting (its overrides
-    less the training seed, run directory and bookkeeping flags, ``report.setting``): its wall time,
+    less the training seed, run directory and bookkeeping flags, ``record.setting``): its wall time,
     its split, its machine and whether other work shared the machine; or that there is none yet.
     With ``setting_hash`` (``records.setting_hash`` of the config as launched), a row of the same
     config is preferred, and a row of the same flags whose config differs (a default changed since,

@@ -28,6 +28,30 @@ def command_overrides(argv: list[str]) -> list[str]:
     return argv[1:] if argv and not argv[0].startswith("-") else list(argv)
 
 
+# Overrides that name how a run is recorded, not what it measures.
+_BOOKKEEPING = ("--record", "--shared-machine", "--metrics.no-progress-bar")
+# Flags whose value differs between repeated runs (seed, run directory) or only says how often a run
+# checkpoints; each is dropped with its value.
+_PER_RUN = ("--train.seed", "--workdir", "--checkpoint.save-every", "--checkpoint.keep-last")
+
+
+def setting(overrides: list[str]) -> tuple[str, ...]:
+    """A learning row's overrides without its training seed, run directory, checkpoint cadence and
+    bookkeeping flags."""
+    out, skip = [], False
+    for flag in overrides:
+        if skip:
+            skip = False
+            continue
+        name = flag.split("=", 1)[0]
+        if name in _PER_RUN:
+            skip = "=" not in flag
+            continue
+        if name not in _BOOKKEEPING:
+            out.append(flag)
+    return tuple(out)
+
+
 def launched_experiment(argv: list[str], default: str) -> str:
     """The experiment's name as the launcher was given it (``default`` when none was given)."""
     return argv[0] if argv and not argv[0].startswith("-") else default
