@@ -133,6 +133,14 @@ def append(entry: Mapping[str, Any], results: str | os.PathLike) -> pathlib.Path
     return path
 
 
+def read(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` (a results file or a run's ``metrics.jsonl``); [] when it is absent."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def closed_loop_result(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """The figures a row keeps of one closed-loop evaluation (built-in task or Meta-World): task,
     success with its interval, episodes, episode length, step and seed; Meta-World's groups, their

@@ -5,13 +5,13 @@ while a phase prints nothing of its own (``heartbeat``)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 import sys
 import threading
 import time
 from collections.abc import Iterator
 
+from embodied_jax import records
 from experiments.benchmarks.harness import RESULTS
 from experiments.record import command_overrides, setting
 
@@ -32,7 +32,7 @@ def expected_duration(
     or a row from before rows carried the hash) is shown as such."""
     wanted = setting(list(command_overrides(sys.argv[1:]) if overrides is None else overrides))
     path = results / f"{name}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = records.read(path)
     same = [r for r in rows if r.get("clean") and setting(r.get("overrides", [])) == wanted]
     if not same:
         return f"expected duration: no recorded run of this command yet (results/{name}.jsonl)"

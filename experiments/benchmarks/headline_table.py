@@ -11,9 +11,9 @@ README's table and the rows disagree.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
+from embodied_jax import records
 from embodied_jax.sim.seeds import TEST_SEED
 from experiments.benchmarks.harness import RESULTS, ROOT
 from experiments.record import setting
@@ -114,9 +114,8 @@ ROWS = (
 def runs_of(line: Headline, results: pathlib.Path = RESULTS) -> list[dict]:
     """The clean rows of ``line``'s setting, the latest per training seed."""
     path = results / f"{line.benchmark}.jsonl"
-    rows = [json.loads(text) for text in path.read_text().splitlines() if text.strip()] if path.exists() else []
     by_seed: dict = {}
-    for row in rows:
+    for row in records.read(path):
         if row.get("clean") and "success_rate" in row.get("result", {}):
             if setting(row.get("overrides", [])) == line.setting:
                 by_seed[row.get("seeds", {}).get("training")] = row

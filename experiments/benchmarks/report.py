@@ -22,6 +22,7 @@ import pathlib
 import sys
 from typing import Any
 
+from embodied_jax import records
 from embodied_jax.cli import parse_flags
 from experiments.benchmarks.harness import RESULTS
 from experiments.record import setting
@@ -123,10 +124,6 @@ def _machine(m: dict) -> str:
     return f"{m.get('cpu', '?')}{cores}, {m.get('backend', '?')}{rate}"
 
 
-def _rows(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def latest_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
     """Per benchmark, the latest row of each (command, CPU, backend), in the order first seen."""
     out = {}
@@ -134,7 +131,7 @@ def latest_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
         if path.stem == ANCHORS:
             continue
         latest: dict[tuple, dict] = {}
-        for row in _rows(path):
+        for row in records.read(path):
             if row.get("clean") is False or str(row.get("commit")).endswith("-dirty"):
                 continue  # recorded from uncommitted changes: kept in the file, never shown
             machine = row.get("machine", {})
@@ -149,7 +146,7 @@ def training_runs(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for path in sorted(results.glob("*.jsonl")):
         groups: dict[tuple, dict[Any, dict]] = {}
-        for row in _rows(path):
+        for row in records.read(path):
             if "seeds" not in row or not row.get("clean") or "success_rate" not in row.get("result", {}):
                 continue
             key = (setting(row.get("overrides", [])), row["machine"].get("cpu"))
@@ -203,7 +200,7 @@ def latest_anchors(results: pathlib.Path = RESULTS) -> dict[str, list[dict]]:
     """Per benchmark, the latest anchor row of each (anchor, configuration, CPU), in the order first seen."""
     path = results / f"{ANCHORS}.jsonl"
     latest: dict[tuple, dict] = {}
-    for row in _rows(path) if path.exists() else []:
+    for row in records.read(path):
         latest[(row["benchmark"], row["anchor"], _key(row["configuration"]), row["machine"].get("cpu"))] = row
     out: dict[str, list[dict]] = {}
     for row in latest.values():

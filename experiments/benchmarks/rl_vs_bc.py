@@ -31,6 +31,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from embodied_jax import records
 from embodied_jax.cli import parse_flags
 from embodied_jax.errors import InputError
 from experiments.benchmarks import harness
@@ -116,12 +117,6 @@ def _evaluate(ckpt: pathlib.Path, task: str, episodes: int, seed: int, out: path
     }
 
 
-def _rows(path: pathlib.Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _plot(out: pathlib.Path, rl_rows: list[dict], bc_rows: list[dict], scores: dict) -> pathlib.Path:
     import matplotlib
 
@@ -204,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     scores = {}
     for name, ckpt in (("start", run), ("rl", rl_dir), ("bc", bc_dir)):
         scores[name] = _evaluate(ckpt, args.task, args.episodes, args.seed, out / "eval" / name)
-    rl_rows, bc_rows = _rows(rl_dir / "metrics.jsonl"), _rows(bc_dir / "metrics.jsonl")
+    rl_rows, bc_rows = records.read(rl_dir / "metrics.jsonl"), records.read(bc_dir / "metrics.jsonl")
     png = _plot(out, rl_rows, bc_rows, scores)
     rl_last = [r for r in rl_rows if "success_rate" in r]
     result = {

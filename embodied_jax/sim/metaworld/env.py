@@ -223,8 +223,6 @@ class MetaWorldEnv:
             raise MetaWorldError(f"unknown Meta-World task {task!r}")
         self.task = task
         self.view = View(image_size, prompts, render_style, crop, camera_pos)
-        self.image_size, self.render_style = self.view.image_size, self.view.render_style
-        self.crop, self.camera_pos = self.view.crop, self.view.camera_pos
         self.instruction = prompt(task, prompts)
         env_class, first_task = lerobot_task(task)
         env = env_class(render_mode="rgb_array", camera_name=CAMERA)
@@ -242,6 +240,22 @@ class MetaWorldEnv:
         self._renderer = None
         self.obs: np.ndarray | None = None
         self.reward = 0.0
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        return self.view.image_size
+
+    @property
+    def render_style(self) -> str:
+        return self.view.render_style
+
+    @property
+    def crop(self) -> tuple[float, float, float] | None:
+        return self.view.crop
+
+    @property
+    def camera_pos(self) -> tuple[float, float, float] | None:
+        return self.view.camera_pos
 
     @property
     def max_path_length(self) -> int:
