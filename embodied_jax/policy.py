@@ -154,6 +154,7 @@ class DatasetFeatures:
     action_dim: int
     fps: float
     modality: bool  # the samples carry meta/modality.json's views (state.<group>, ...)
+    privileged_dim: int = 0  # width of the training-only feature (ModelInputs.privileged_key); 0: none
 
 
 # A family's model and FLOP count, registered beside their code (``implements``) so that its config

@@ -35,14 +35,20 @@ class ModelInputs:
     ``blind_state``: the model sees zeros in place of the (normalised) state, in training and when
     served alike; a policy then has to take where things are from its images (the state shortcut:
     from the hand's position alone a policy can guess how far along a scripted path it is, and keep
-    going past the goal it never looked at)."""
+    going past the goal it never looked at).
 
-    ADDED_FIELDS = ("blind_state",)  # runs saved before it read back with the default
+    ``privileged_key``: a per-frame feature the policy never sees (Meta-World's
+    ``observation.environment_state``), handed to the loss alone as ``privileged_state`` for a
+    training-only head (``Pi05Config.privileged_weight``). Observations served to a policy lack it,
+    so it is passed on only when the sample holds it; in training the sample spec loads it."""
+
+    ADDED_FIELDS = ("blind_state", "privileged_key")  # runs saved before them read back with the defaults
 
     state_key: str = "observation.state"
     action_key: str = "action"
     cameras: tuple[tuple[str, str], ...] = ()  # (dataset camera key, model camera slot)
     blind_state: bool = False
+    privileged_key: str | None = None
 
     @property
     def camera_keys(self) -> tuple[str, ...]:
@@ -60,6 +66,8 @@ class ModelInputs:
         }
         if self.action_key in sample:
             out["actions"] = np.asarray(sample[self.action_key], np.float32)
+        if self.privileged_key is not None and self.privileged_key in sample:
+            out["privileged_state"] = np.asarray(sample[self.privileged_key], np.float32)
         return out
 
 

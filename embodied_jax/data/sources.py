@@ -124,6 +124,7 @@ class LeRobotData(DataSource):
                     f"{root}: no {what} feature {key!r}; the dataset has {list(meta.vector_keys)} "
                     f"(name its {what} with {flag} KEY)"
                 )
+        data, privileged_dim = data._with_privileged(meta, root)
         keys = data._camera_keys(meta)
         names = data._camera_names(meta, keys)
         features = DatasetFeatures(
@@ -133,8 +134,14 @@ class LeRobotData(DataSource):
             action_dim=meta.width(data.inputs.action_key),
             fps=meta.fps,
             modality=data.pipeline.spec.use_modality and meta.modality is not None,
+            privileged_dim=privileged_dim,
         )
         fitted = _fit_model(model, features, root)
+        if privileged_dim and not getattr(fitted, "privileged_weight", 0.0):
+            raise DataConfigError(
+                f"--data.inputs.privileged-key {data.inputs.privileged_key}: {type(fitted).__name__} trains no "
+                "head on it (π0.5: --model.privileged-weight W > 0)"
+            )
         cameras = data.inputs.cameras
         if not cameras:
             if len(keys) > len(fitted.camera_names):
@@ -158,6 +165,26 @@ class LeRobotData(DataSource):
             inputs=dataclasses.replace(data.inputs, cameras=cameras),
         )
         return fitted_data, fitted
+
+    def _with_privileged(self, meta: DatasetMeta, root: str) -> tuple[LeRobotData, int]:
+        """With ``inputs.privileged_key`` set: that feature loaded at the current frame and
+        normalised by mean and std (unless ``norm_modes`` names it), and its width."""
+        key = self.inputs.privileged_key
+        if key is None:
+            return self, 0
+        if key not in meta.features:
+            raise DatasetError(
+                f"{root}: no feature {key!r} for --data.inputs.privileged-key; the dataset has {list(meta.vector_keys)}"
+            )
+        spec, pipeline = self.pipeline.spec, self.pipeline
+        loaded = spec.state_keys + spec.action_keys + spec.extra_keys
+        if key not in loaded:
+            spec = dataclasses.replace(spec, extra_keys=(*spec.extra_keys, key))
+        norm_modes = pipeline.norm_modes
+        if key not in dict(norm_modes):
+            norm_modes = (*norm_modes, (key, "mean_std"))
+        pipeline = dataclasses.replace(pipeline, spec=spec, norm_modes=norm_modes)
+        return dataclasses.replace(self, pipeline=pipeline), meta.width(key)
 
     def _following_spec_keys(self) -> LeRobotData:
         """A single ``--data.pipeline.spec.state-keys`` / ``action-keys`` key also becomes the key the
@@ -255,6 +282,9 @@ class LeRobotData(DataSource):
                     f"cameras {undecoded} are mapped (--data.inputs.cameras) but not decoded "
                     f"(--data.pipeline.spec.camera-keys {list(loader.cameras)})"
                 )
+            privileged = inputs.privileged_key
+            if privileged is not None and privileged not in frames.arrays:
+                raise DatasetError(f"{where}: no feature {privileged!r} (--data.inputs.privileged-key)")
             features = DatasetFeatures(
                 camera_keys=inputs.camera_keys,
                 camera_names=tuple(slots),
@@ -262,6 +292,7 @@ class LeRobotData(DataSource):
                 action_dim=int(np.prod(frames.arrays[inputs.action_key].shape[1:])),
                 fps=frames.fps,
                 modality=spec.use_modality and frames.modality is not None,
+                privileged_dim=int(np.prod(frames.arrays[privileged].shape[1:])) if privileged else 0,
             )
             _fit_model(model, features, where)  # the model's own limits, for every source
         if self.sources:

@@ -56,8 +56,15 @@ class Pi05Config(PolicyConfig):
     lora_alpha: float = 16.0
     synthetic_prompt_len: int = 0  # real prompt tokens per synthetic sample (0: a quarter of max_token_len)
     tokenizer_path: str | None = None  # local SentencePiece model (PaliGemma's tokenizer.model)
+    # A training-only head reading the image tokens: it regresses a privileged feature of the
+    # frame (``--data.inputs.privileged-key``; Meta-World's object and goal positions) with this
+    # weight beside the flow loss, so that the vision tower learns where things are. Sampling
+    # never runs it. 0: no head. The width is the dataset's (``fit_to_dataset``).
+    privileged_weight: float = 0.0
+    privileged_state_dim: int = 0
     asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
-    ADDED_FIELDS = ("block_sparse_tiling",)  # runs saved before it read back with the platform's (config_registry)
+    # runs saved before them read back with the platform's tiling and no head (config_registry)
+    ADDED_FIELDS = ("block_sparse_tiling", "privileged_weight", "privileged_state_dim")
 
     def __post_init__(self):
         if not self.expert.use_adarms:
@@ -70,6 +77,8 @@ class Pi05Config(PolicyConfig):
             raise ValueError("Pi05Config: flow_samples_per_obs must be >= 1")
         if not 0 < self.action_dim <= self.max_action_dim:
             raise ValueError(f"Pi05Config: action_dim {self.action_dim} must be in 1..max_action_dim")
+        if self.privileged_weight < 0 or self.privileged_state_dim < 0:
+            raise ValueError("Pi05Config: privileged_weight and privileged_state_dim must be >= 0")
 
     @property
     def compute(self) -> Compute:
@@ -89,7 +98,12 @@ class Pi05Config(PolicyConfig):
                 f"the action has {features.action_dim} dims, more than π0.5's max_action_dim={self.max_action_dim} "
                 "(the width of its action projections, fixed by pretrained weights)"
             )
-        return dataclasses.replace(self, action_dim=features.action_dim)
+        if self.privileged_weight and not features.privileged_dim:
+            raise ValueError(
+                f"--model.privileged-weight {self.privileged_weight}: the head needs a feature to regress; "
+                "name it with --data.inputs.privileged-key KEY (Meta-World: observation.environment_state)"
+            )
+        return dataclasses.replace(self, action_dim=features.action_dim, privileged_state_dim=features.privileged_dim)
 
     def freeze_regexes(self) -> tuple[str, ...]:
         """Trainer freeze regexes: with LoRA (``lora_rank`` > 0) only ``lora_a``/``lora_b`` train."""

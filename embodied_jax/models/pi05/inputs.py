@@ -112,6 +112,13 @@ class Pi05InputBuilder:
                 )
             out["actions"] = np.pad(actions, ((0, 0), (0, self.max_action_dim - actions.shape[1])))
             out["action_dim_mask"] = np.arange(self.max_action_dim) < actions.shape[1]
+        if "privileged_state" in sample:
+            if self.packed:
+                raise ValueError(
+                    "π0.5: the privileged head (--data.inputs.privileged-key) trains on unpacked batches; "
+                    "drop --data.packing.seq-len"
+                )
+            out["privileged_state"] = np.asarray(sample["privileged_state"], np.float32)
         if self.packed:
             return packed_sample(out, self.camera_names, self.image_tokens, self.image_token_id)
         return out

@@ -32,10 +32,16 @@ class _Inputs:
     bounds: SegmentBounds | None  # packed rows: block-sparse attention bounds of the prefix
     actions: jax.Array | None = None  # [R, M, horizon, A]
     dim_mask: jax.Array | None = None  # bool [R, M, A]
+    # what the prefix leaves for the loss while it runs: "image_tokens" [R, C·P, D] and
+    # "image_present" [R, C] of an unpacked batch (the privileged head's input)
+    taps: dict = dataclasses.field(default_factory=dict)
 
     @property
     def samples_per_row(self) -> int:
         return self.present.shape[1]
+
+
+PRIVILEGED_CHANNELS = 8  # per image token, into the privileged head
 
 
 class Pi05Policy(nnx.Module):
@@ -60,11 +66,30 @@ class Pi05Policy(nnx.Module):
         self.action_out_proj = Dense(  # the velocity in float32, whatever the compute dtype
             width, config.max_action_dim, axes=("embed", "channels"), rngs=rngs, **dict(common, dtype=jnp.float32)
         )
+        if config.privileged_weight:
+            if not config.privileged_state_dim:
+                raise ValueError(
+                    "π0.5: privileged_weight > 0 needs privileged_state_dim (set from the dataset's "
+                    "--data.inputs.privileged-key feature)"
+                )
+            # Training only: a few channels per image token, read out by position (where things are).
+            tokens = len(config.camera_names) * config.vision.num_patches
+            self.privileged_token_proj = Dense(
+                config.vlm.width, PRIVILEGED_CHANNELS, axes=("embed", None), rngs=rngs, dtype=jnp.float32
+            )
+            self.privileged_head = Dense(
+                tokens * PRIVILEGED_CHANNELS,
+                config.privileged_state_dim,
+                axes=(None, None),
+                rngs=rngs,
+                dtype=jnp.float32,
+            )
 
     # ------------------------------------------------------------------ inputs
 
     def _inputs(self, batch) -> _Inputs:
         config = self.config
+        taps = {}
         if "segment_ids" in batch:
             missing = [k for k in ("images", "image_segment_ids", "positions", "sample_mask") if k not in batch]
             if missing:
@@ -83,8 +108,8 @@ class Pi05Policy(nnx.Module):
             rows = jnp.asarray(batch["tokens"]).shape[0]
             present = jnp.ones((rows, 1), bool)
             m, bounds = 1, None
-            prefix = lambda policy: policy.embed_prefix(batch)  # noqa: E731
-        inputs = _Inputs(prefix, present, bounds)
+            prefix = lambda policy: policy.embed_prefix(batch, taps)  # noqa: E731
+        inputs = _Inputs(prefix, present, bounds, taps=taps)
         if "actions" in batch:
             actions = jnp.asarray(batch["actions"], jnp.float32)
             rows = present.shape[0]
@@ -104,8 +129,9 @@ class Pi05Policy(nnx.Module):
         feats = self.multi_modal_projector(self.vision_tower(images.reshape(r * c, h, w, ch)))
         return feats.reshape(r, c * feats.shape[1], feats.shape[-1])
 
-    def embed_prefix(self, batch):
-        """Unpacked prefix: embeddings [B, S, D], segment ids [B, S] (1 real, 0 padding), positions.
+    def embed_prefix(self, batch, taps: dict | None = None):
+        """Unpacked prefix: embeddings [B, S, D], segment ids [B, S] (1 real, 0 padding), positions;
+        ``taps`` (a dict) receives the image tokens and which cameras are present.
 
         Tokens are gathered into [real images, real text, padding] order; attention is
         permutation-equivariant given segment ids and positions, so this changes no number
@@ -119,6 +145,8 @@ class Pi05Policy(nnx.Module):
             [jnp.asarray(masks.get(c, np.ones((rows,), bool))).astype(jnp.int32) for c in config.camera_names], axis=1
         )
         feats = self.embed_images(images)
+        if taps is not None:
+            taps.update(image_tokens=feats, image_present=image_seg)
         n = feats.shape[1] // len(config.camera_names)
         text = self.llm.embed(jnp.asarray(batch["tokens"], jnp.int32)).astype(feats.dtype)
         x = jnp.concatenate([feats, text], axis=1)
@@ -265,7 +293,30 @@ class Pi05Policy(nnx.Module):
             "examples": present.sum(),
             "time_mean": time.mean(),
         }
+        if config.privileged_weight:
+            privileged = self.privileged_loss(batch, inputs)
+            metrics["flow_loss"], metrics["privileged_loss"] = loss, privileged
+            loss = loss + config.privileged_weight * privileged
+            metrics["loss"] = loss
         return loss, per_sample, present, metrics
+
+    def privileged_loss(self, batch, inputs: _Inputs):
+        """Mean squared error of the training-only head's reading of the image tokens against the
+        batch's (normalised) ``privileged_state`` [B, F]; absent cameras' tokens are zeroed."""
+        if "privileged_state" not in batch:
+            raise KeyError(
+                "π0.5 loss: privileged_weight > 0 and the batch has no 'privileged_state' "
+                "(--data.inputs.privileged-key KEY loads it)"
+            )
+        if "image_tokens" not in inputs.taps:
+            raise ValueError("π0.5: the privileged head trains on unpacked batches (drop --data.packing.seq-len)")
+        tokens, present = inputs.taps["image_tokens"], inputs.taps["image_present"]
+        per_camera = tokens.shape[1] // present.shape[1]
+        keep = jnp.repeat(present, per_camera, axis=1)[..., None].astype(jnp.float32)
+        channels = self.privileged_token_proj(tokens.astype(jnp.float32)) * keep
+        guess = self.privileged_head(channels.reshape(channels.shape[0], -1))
+        target = jnp.asarray(batch["privileged_state"], jnp.float32)
+        return jnp.mean(jnp.square(guess - target))
 
     def _real_tokens(self, batch):
         if "segment_ids" in batch:
