@@ -9,7 +9,8 @@ GR00T-N1.5) and ``metaworld --tasks metaworld:<task>`` (one task; pick-place by 
 1. collect ``episodes`` scripted demonstrations per task in LeRobot's Meta-World environments
    (``embodied_jax.sim.metaworld``: the moved ``corner2`` camera, LeRobot's prompts, 500-step
    episodes ended by success; no noise, as the hub's ``lerobot/metaworld_mt50``; ``--collect-noise``
-   adds DART noise), in the hub dataset's layout, unless the run directory already holds them or
+   adds DART noise; ``--task-data TASK=EPISODES[@NOISE]`` sets both for some tasks alone), in the
+   hub dataset's layout, unless the run directory already holds them or
    ``--dataset`` names one (a copy of the hub's, for instance);
 2. build the word-level tokenizer over both prompt sets of the 50 tasks;
 3. train the demo-sized policy (one camera) with in-training evaluations on the validation seed;
@@ -54,6 +55,9 @@ class MetaWorldConfig(ExperimentConfig):
     tasks: str = "metaworld:mt10"
     episodes: int = 50  # scripted demonstrations per task
     collect_noise: float | None = 0.0  # DART std in action units; 0: none, as the hub's; None: calibrated per task
+    # Some tasks collected otherwise: TASK=EPISODES or TASK=EPISODES@NOISE (NOISE a std or "auto",
+    # calibrated), e.g. --task-data push=150@auto pick-place=150@auto for the precision tasks alone.
+    task_data: tuple[str, ...] = ()
     prompts: str = "lerobot"  # the prompts trained and evaluated with: LeRobot's descriptions, or "project"
     collect_workers: int = 0  # tasks collected in that many processes at once; 0: one per CPU core
     dataset: str | None = None  # a LeRobot dataset in the hub's layout to train on instead of collecting
@@ -84,7 +88,9 @@ def check_reuse(config: MetaWorldConfig, workdir: pathlib.Path) -> None:
         "prompts": config.prompts,
         "dataset": config.dataset,
     }
-    if config.evaluation.crop is not None:  # recorded only when set: older run directories stay reusable
+    if config.task_data:  # recorded only when set: older run directories stay reusable
+        wanted["task_data"] = list(config.task_data)
+    if config.evaluation.crop is not None:
         wanted["crop"] = list(config.evaluation.crop)
     if config.evaluation.camera_pos is not None:
         wanted["camera_pos"] = list(config.evaluation.camera_pos)
@@ -147,9 +153,10 @@ def run_metaworld(config: MetaWorldConfig) -> int:
     t0 = time.perf_counter()
     launched = config
     workdir = run_directory(config)
+    names = metaworld.parse_tasks(config.tasks)
+    task_data = metaworld.parse_task_data(config.task_data, names)  # a bad flag fails before anything is written
     check_reuse(config, workdir)
     print(expected_duration(config.name, setting_hash=records.setting_hash(launched)), flush=True)
-    names = metaworld.parse_tasks(config.tasks)
     dataset = pathlib.Path(config.dataset) if config.dataset else workdir / "dataset"
     if (dataset / "meta" / "info.json").exists():
         print(f"[1/4] reusing {dataset}", flush=True)
@@ -157,7 +164,8 @@ def run_metaworld(config: MetaWorldConfig) -> int:
         raise FileNotFoundError(f"--dataset {config.dataset}: no LeRobot dataset there (meta/info.json)")
     else:
         print(
-            f"[1/4] collecting {config.episodes} scripted episodes of each of {len(names)} Meta-World tasks",
+            f"[1/4] collecting {config.episodes} scripted episodes of each of {len(names)} Meta-World tasks"
+            + (f" ({', '.join(config.task_data)} apart)" if config.task_data else ""),
             flush=True,
         )
         metaworld.collect(
@@ -168,6 +176,7 @@ def run_metaworld(config: MetaWorldConfig) -> int:
                 config.evaluation, image_size=tuple(config.data.pipeline.image_size), prompts=config.prompts
             ).view(),
             noise=config.collect_noise,
+            task_data=task_data,
             workers=config.collect_workers or os.cpu_count() or 1,
         )
     collection_s = time.perf_counter() - t0

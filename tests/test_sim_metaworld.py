@@ -246,6 +246,33 @@ def test_tasks_collected_in_parallel_make_the_same_dataset(tmp_path):
     check_memory(50, 50, (64, 64), available=24 * 2**30)
 
 
+def test_some_tasks_collected_with_their_own_count_and_noise(tmp_path):
+    from embodied_jax.data.lerobot import LeRobotDataset
+
+    names = ("reach", "push", "pick-place")
+    assert metaworld.parse_task_data(["push=3@auto", "pick-place=2@0.3", "reach=4"], names) == {
+        "push": (3, None),
+        "pick-place": (2, 0.3),
+        "reach": (4, 0.0),
+    }
+    for bad in ("door-open=3", "push=0", "push=3@-1", "push=three", "push", "push=2@loud"):
+        with pytest.raises(metaworld.MetaWorldError, match="TASK=EPISODES@NOISE"):
+            metaworld.parse_task_data([bad], names)
+    with pytest.raises(metaworld.MetaWorldError, match="twice"):
+        metaworld.parse_task_data(["push=2", "push=3"], names)
+    kwargs = dict(view=metaworld.View((SIZE, SIZE)), max_steps=4, keep_failures=True, log=lambda line: None)
+    ds = LeRobotDataset(
+        metaworld.collect(["reach", "push"], 1, tmp_path / "ds", task_data={"push": (2, 0.5)}, **kwargs)
+    )
+    ids = [int(ds.episode_array(e, metaworld.TASK_ID_KEY)[0]) for e in range(ds.num_episodes)]
+    assert ids == [metaworld.task_id("reach"), metaworld.task_id("push"), metaworld.task_id("push")]
+    clean = LeRobotDataset(metaworld.collect(["push"], 1, tmp_path / "clean", **kwargs))
+    noisy = ds.episode_array(1, metaworld.ACTION_KEY)  # push's first episode, from the same reset seed
+    assert np.abs(noisy - clean.episode_array(0, metaworld.ACTION_KEY)).max() > 0.05
+    with pytest.raises(metaworld.MetaWorldError, match="outside the collection"):
+        metaworld.collect(["reach"], 1, tmp_path / "x", task_data={"push": (2, 0.0)}, **kwargs)
+
+
 def test_scripted_policy_and_dart_calibration():
     chosen, measured = metaworld.calibrate_noise("reach", levels=(0.1, 50.0), episodes=4)
     assert chosen == 0.1 and measured[0.1] == 1.0 and measured[50.0] < 0.9

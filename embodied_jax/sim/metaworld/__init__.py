@@ -41,6 +41,7 @@ from embodied_jax.sim.metaworld.collect import (
     calibrate_noise,
     collect,
     expert_episode,
+    parse_task_data,
 )
 from embodied_jax.sim.metaworld.env import (
     GL_PACKAGES,
@@ -144,6 +145,7 @@ __all__ = [
     "check_adaptable",
     "check_gl",
     "collect",
+    "parse_task_data",
     "difficulty",
     "episode_seed",
     "evaluate",

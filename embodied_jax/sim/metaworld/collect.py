@@ -11,7 +11,7 @@ import dataclasses
 import multiprocessing
 import os
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -177,6 +177,29 @@ def check_memory(tasks: int, episodes: int, image_size: tuple[int, int], availab
         )
 
 
+def parse_task_data(items: Sequence[str], tasks: Sequence[str]) -> dict[str, tuple[int, float | None]]:
+    """``TASK=EPISODES`` or ``TASK=EPISODES@NOISE`` per item (NOISE a DART std, or ``auto``:
+    calibrated) -> {task: (episodes, noise)}, the collection settings of those tasks alone."""
+    out: dict[str, tuple[int, float | None]] = {}
+    for item in items:
+        task, _, setting = item.partition("=")
+        episodes, _, noise = setting.partition("@")
+        try:
+            count = int(episodes)
+            level = None if noise == "auto" else float(noise) if noise else 0.0
+        except ValueError:
+            count, level = 0, 0.0
+        if task not in tasks or count < 1 or (level is not None and not (np.isfinite(level) and level >= 0)):
+            raise MetaWorldError(
+                f"--task-data {item!r}: give TASK=EPISODES or TASK=EPISODES@NOISE (NOISE >= 0 or auto) "
+                f"for one of this run's tasks ({', '.join(tasks)})"
+            )
+        if task in out:
+            raise MetaWorldError(f"--task-data names {task} twice")
+        out[task] = (count, level)
+    return out
+
+
 def collect(
     tasks: str | Sequence[str],
     episodes: int,
@@ -185,6 +208,7 @@ def collect(
     view: View | None = None,
     seed: int = COLLECTION_SEED,
     noise: float | None = 0.0,
+    task_data: Mapping[str, tuple[int, float | None]] | None = None,
     keep_failures: bool = False,
     max_attempts: int | None = None,
     image_storage: str = "png",
@@ -204,7 +228,9 @@ def collect(
     lossless PNG by default, as the hub stores them (``image_storage="video"``: mp4 in ``codec``).
     ``max_steps``: the episode's step limit (:data:`STEP_LIMIT`, the evaluation's; lower only for
     quick checks).
-    ``workers``: tasks collected in that many processes at once (the dataset is the same)."""
+    ``workers``: tasks collected in that many processes at once (the dataset is the same).
+    ``task_data``: {task: (episodes, noise)} in place of ``episodes`` and ``noise`` for those tasks
+    (:func:`parse_task_data`), e.g. more and noisier demonstrations of the precision tasks alone."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
     names = parse_tasks(tasks) if isinstance(tasks, str) else tuple(tasks)
@@ -214,16 +240,21 @@ def collect(
     if noise is not None and not (np.isfinite(noise) and noise >= 0):
         raise ValueError(f"noise={noise}: a finite std in action units, >= 0")
     view = view or View()
-    check_memory(len(names), episodes, view.image_size)
+    settings = {task: (episodes, noise) for task in names}
+    unknown = sorted(set(task_data or {}) - set(names))
+    if unknown:
+        raise MetaWorldError(f"task_data names tasks outside the collection: {unknown}")
+    settings.update(task_data or {})
+    check_memory(len(names), int(np.mean([count for count, _ in settings.values()])), view.image_size)
     jobs = [
         _TaskJob(
             task,
-            episodes,
+            settings[task][0],
             view,
             seed,
-            noise,
+            settings[task][1],
             keep_failures,
-            max_attempts or 2 * episodes + 10,
+            max_attempts or 2 * settings[task][0] + 10,
             max_steps,
         )
         for task in names
