@@ -218,6 +218,12 @@ class PolicyConfig(abc.ABC):
         that names what does not fit and the flag that would. Default: unchanged."""
         return self
 
+    @property
+    def trains_privileged_head(self) -> bool:
+        """Whether training regresses a privileged feature (``ModelInputs.privileged_key``) with a
+        training-only head; a run that loads one for a model without it is refused. Default: no."""
+        return False
+
     def freeze_regexes(self) -> tuple[str, ...]:
         """Parameter-path regexes the model itself keeps frozen (added to ``optimizer.freeze``)."""
         return ()

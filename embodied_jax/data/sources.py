@@ -137,7 +137,7 @@ class LeRobotData(DataSource):
             privileged_dim=privileged_dim,
         )
         fitted = _fit_model(model, features, root)
-        if privileged_dim and not getattr(fitted, "privileged_weight", 0.0):
+        if privileged_dim and not fitted.trains_privileged_head:
             raise DataConfigError(
                 f"--data.inputs.privileged-key {data.inputs.privileged_key}: {type(fitted).__name__} trains no "
                 "head on it (π0.5: --model.privileged-weight W > 0)"

@@ -105,6 +105,10 @@ class Pi05Config(PolicyConfig):
             )
         return dataclasses.replace(self, action_dim=features.action_dim, privileged_state_dim=features.privileged_dim)
 
+    @property
+    def trains_privileged_head(self) -> bool:
+        return self.privileged_weight > 0
+
     def freeze_regexes(self) -> tuple[str, ...]:
         """Trainer freeze regexes: with LoRA (``lora_rank`` > 0) only ``lora_a``/``lora_b`` train."""
         return (LORA_FREEZE_REGEX,) if self.lora_rank else ()
