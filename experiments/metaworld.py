@@ -56,7 +56,8 @@ class MetaWorldConfig(ExperimentConfig):
     episodes: int = 50  # scripted demonstrations per task
     collect_noise: float | None = 0.0  # DART std in action units; 0: none, as the hub's; None: calibrated per task
     # Some tasks collected otherwise: TASK=EPISODES or TASK=EPISODES@NOISE (NOISE a std or "auto",
-    # calibrated), e.g. --task-data push=150@auto pick-place=150@auto for the precision tasks alone.
+    # calibrated), e.g. --task-data push=150@auto pick-place=150@auto for the precision tasks alone;
+    # TASK may be a difficulty group (--task-data hard=150@auto: the run's hard tasks; a task overrides it).
     task_data: tuple[str, ...] = ()
     prompts: str = "lerobot"  # the prompts trained and evaluated with: LeRobot's descriptions, or "project"
     collect_workers: int = 0  # tasks collected in that many processes at once; 0: one per CPU core

@@ -260,6 +260,12 @@ def test_some_tasks_collected_with_their_own_count_and_noise(tmp_path):
             metaworld.parse_task_data([bad], names)
     with pytest.raises(metaworld.MetaWorldError, match="twice"):
         metaworld.parse_task_data(["push=2", "push=3"], names)
+    # A difficulty group sets the run's tasks in it (pick-place and push are "hard"); a task overrides its group.
+    assert metaworld.parse_task_data(["hard=5@auto", "push=2"], names) == {"push": (2, 0.0), "pick-place": (5, None)}
+    with pytest.raises(metaworld.MetaWorldError, match="TASK=EPISODES@NOISE"):
+        metaworld.parse_task_data(["very_hard=5"], names)  # a group with none of the run's tasks
+    with pytest.raises(metaworld.MetaWorldError, match="twice"):
+        metaworld.parse_task_data(["hard=5", "mt10=2"], names)
     kwargs = dict(view=metaworld.View((SIZE, SIZE)), max_steps=4, keep_failures=True, log=lambda line: None)
     ds = LeRobotDataset(
         metaworld.collect(["reach", "push"], 1, tmp_path / "ds", task_data={"push": (2, 0.5)}, **kwargs)

@@ -31,6 +31,7 @@ from embodied_jax.sim.metaworld.suite import (
     STATE_KEY,
     STEP_LIMIT,
     SUCCESS_KEY,
+    SUITES,
     TASK_ID_KEY,
     MetaWorldError,
     episode_seed,
@@ -179,25 +180,33 @@ def check_memory(tasks: int, episodes: int, image_size: tuple[int, int], availab
 
 def parse_task_data(items: Sequence[str], tasks: Sequence[str]) -> dict[str, tuple[int, float | None]]:
     """``TASK=EPISODES`` or ``TASK=EPISODES@NOISE`` per item (NOISE a DART std, or ``auto``:
-    calibrated) -> {task: (episodes, noise)}, the collection settings of those tasks alone."""
+    calibrated) -> {task: (episodes, noise)}, the collection settings of those tasks alone.
+
+    TASK may be a suite or difficulty group (``hard``, ``very_hard``, ...): it sets every task of
+    the run in that group; an item naming one task overrides its group's."""
     out: dict[str, tuple[int, float | None]] = {}
+    by_group: dict[str, tuple[int, float | None]] = {}
     for item in items:
-        task, _, setting = item.partition("=")
+        name, _, setting = item.partition("=")
         episodes, _, noise = setting.partition("@")
         try:
             count = int(episodes)
             level = None if noise == "auto" else float(noise) if noise else 0.0
         except ValueError:
             count, level = 0, 0.0
-        if task not in tasks or count < 1 or (level is not None and not (np.isfinite(level) and level >= 0)):
+        members = [t for t in SUITES[name] if t in tasks] if name in SUITES else [name] if name in tasks else []
+        if not members or count < 1 or (level is not None and not (np.isfinite(level) and level >= 0)):
             raise MetaWorldError(
                 f"--task-data {item!r}: give TASK=EPISODES or TASK=EPISODES@NOISE (NOISE >= 0 or auto) "
-                f"for one of this run's tasks ({', '.join(tasks)})"
+                f"for one of this run's tasks ({', '.join(tasks)}) or a group holding some of them "
+                f"({', '.join(SUITES)})"
             )
-        if task in out:
-            raise MetaWorldError(f"--task-data names {task} twice")
-        out[task] = (count, level)
-    return out
+        target = by_group if name in SUITES else out
+        for task in members:
+            if task in target:
+                raise MetaWorldError(f"--task-data names {task} twice")
+            target[task] = (count, level)
+    return {task: out.get(task, by_group.get(task)) for task in tasks if task in out or task in by_group}
 
 
 def collect(
