@@ -279,6 +279,34 @@ def test_some_tasks_collected_with_their_own_count_and_noise(tmp_path):
         metaworld.collect(["reach"], 1, tmp_path / "x", task_data={"push": (2, 0.0)}, **kwargs)
 
 
+def test_an_interrupted_collection_resumes_with_the_tasks_it_had_not_finished(tmp_path, monkeypatch):
+    collect_module = sys.modules["embodied_jax.sim.metaworld.collect"]  # the package's `collect` is the function
+    kwargs = dict(view=metaworld.View((SIZE, SIZE)), max_steps=4, keep_failures=True)
+    whole = LeRobotDataset(metaworld.collect(["reach", "push"], 1, tmp_path / "whole", log=lambda line: None, **kwargs))
+    collected, task_of = [], collect_module._collect_task
+
+    def failing_on_push(job):
+        if job.task == "push":
+            raise RuntimeError("interrupted")
+        collected.append(job.task)
+        return task_of(job)
+
+    monkeypatch.setattr(collect_module, "_collect_task", failing_on_push)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        metaworld.collect(["reach", "push"], 1, tmp_path / "ds", log=lambda line: None, **kwargs)
+    assert collected == ["reach"] and len(list((tmp_path / "ds.parts").iterdir())) == 1
+    monkeypatch.setattr(collect_module, "_collect_task", lambda job: (collected.append(job.task), task_of(job))[1])
+    lines = []
+    resumed = LeRobotDataset(metaworld.collect(["reach", "push"], 1, tmp_path / "ds", log=lines.append, **kwargs))
+    assert collected == ["reach", "push"] and any("reach: reused" in line for line in lines)
+    assert not (tmp_path / "ds.parts").exists()
+    for key in (metaworld.ACTION_KEY, metaworld.ENV_STATE_KEY, metaworld.TASK_ID_KEY):
+        for episode in range(2):
+            np.testing.assert_array_equal(resumed.episode_array(episode, key), whole.episode_array(episode, key))
+    # Other settings for a task do not reuse its part.
+    assert metaworld.collect(["reach"], 2, tmp_path / "more", log=lines.append, **kwargs)
+
+
 def test_scripted_policy_and_dart_calibration():
     chosen, measured = metaworld.calibrate_noise("reach", levels=(0.1, 50.0), episodes=4)
     assert chosen == 0.1 and measured[0.1] == 1.0 and measured[50.0] < 0.9

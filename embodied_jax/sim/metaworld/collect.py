@@ -8,9 +8,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import multiprocessing
 import os
 import pathlib
+import pickle
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -161,6 +165,23 @@ def _collect_task(job: _TaskJob) -> tuple[list[str], list[dict]]:
     return lines, recorded
 
 
+def _collect_task_kept(job: _TaskJob, parts: pathlib.Path) -> tuple[list[str], list[dict]]:
+    """:func:`_collect_task`, its result kept in ``parts`` until the dataset is written: a collection
+    interrupted after some tasks resumes with the others (a part is reused only for the same job)."""
+    path = parts / f"{job.task}-{hashlib.sha256(repr(job).encode()).hexdigest()[:12]}.pkl"
+    if path.exists():
+        with path.open("rb") as f:
+            lines, recorded = pickle.load(f)
+        return [*lines, f"metaworld:{job.task}: reused from the interrupted collection ({path.name})"], recorded
+    result = _collect_task(job)
+    parts.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    with partial.open("wb") as f:
+        pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(partial, path)  # a part is complete or absent
+    return result
+
+
 def check_memory(tasks: int, episodes: int, image_size: tuple[int, int], available: int | None = None) -> None:
     """Refuse a collection whose frames (held in memory until the dataset is written) would take more
     than half of the available memory, at the hub dataset's mean episode length."""
@@ -239,7 +260,10 @@ def collect(
     quick checks).
     ``workers``: tasks collected in that many processes at once (the dataset is the same).
     ``task_data``: {task: (episodes, noise)} in place of ``episodes`` and ``noise`` for those tasks
-    (:func:`parse_task_data`), e.g. more and noisier demonstrations of the precision tasks alone."""
+    (:func:`parse_task_data`), e.g. more and noisier demonstrations of the precision tasks alone.
+    Each finished task is kept in ``<out>.parts/`` until the dataset is written: a collection
+    interrupted (a crash, the end of a session) and run again collects only the tasks it had not
+    finished."""
     from embodied_jax.data.writer import write_lerobot_dataset
 
     names = parse_tasks(tasks) if isinstance(tasks, str) else tuple(tasks)
@@ -269,18 +293,20 @@ def collect(
         for task in names
     ]
     recorded: list[dict] = []
+    parts = pathlib.Path(out).with_name(pathlib.Path(out).name + ".parts")
+    collect_task = functools.partial(_collect_task_kept, parts=parts)
     with contextlib.ExitStack() as stack:
-        results = map(_collect_task, jobs)
+        results = map(collect_task, jobs)
         if min(workers, len(jobs)) > 1:
             context = multiprocessing.get_context("spawn")
             pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context)
             stack.callback(pool.shutdown, cancel_futures=True)
-            results = pool.map(_collect_task, jobs)
+            results = pool.map(collect_task, jobs)
         for lines, episodes_of_task in results:  # in task order, whatever the workers' order
             for line in lines:
                 log(line)
             recorded += episodes_of_task
-    return write_lerobot_dataset(
+    written = write_lerobot_dataset(
         out,
         recorded,
         fps=FPS,
@@ -290,3 +316,5 @@ def collect(
         robot_type=ROBOT_TYPE,
         image_shape_order="chw",
     )
+    shutil.rmtree(parts, ignore_errors=True)
+    return written
