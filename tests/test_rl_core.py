@@ -282,6 +282,32 @@ def test_with_the_stop_rule_off_the_start_is_still_evaluated_and_the_run_goes_on
     assert held == {0: 0.5, 2: 0.1, 3: 0.05}
 
 
+def test_several_rollouts_per_update_train_on_all_their_episodes(toy_start, tmp_path, monkeypatch):
+    """``rollouts_per_update``: the update's batch is the rollouts side by side (the first the one a
+    single rollout per update draws), its minibatches as many times as many, each of one rollout's size."""
+    config, st = toy_start
+    critic, critic_params = critic_functions(rollout_lib.critic_width(st.env), 32, 0)
+    spec = rollout_lib.RolloutSpec(16, 4, rollout_lib.decisions_per_episode(st.env.episode_limit, 4))
+    with st.rt.context():
+        rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec)
+        parts = [rollout(st.params, critic_params, jax.random.key(k)) for k in (5, 6)]
+    both = rollout_lib.concat_rollouts(parts)
+    assert both.success.shape == (32,) and both.log_prob.shape == (spec.decisions, 32)
+    np.testing.assert_array_equal(both.success, np.concatenate([p.success for p in parts]))
+    np.testing.assert_array_equal(both.chain[:, 16:], parts[1].chain)
+    for whole, first in zip(
+        jax.tree.leaves(both.model_observation), jax.tree.leaves(parts[0].model_observation), strict=True
+    ):
+        np.testing.assert_array_equal(whole[:, :16], first)
+
+    one = _train_toy_with_held_out_figures(tmp_path / "one", monkeypatch, [0.5], iterations=1).history[-1]
+    two = _train_toy_with_held_out_figures(
+        tmp_path / "two", monkeypatch, [0.5], iterations=1, rollouts_per_update=3
+    ).history[-1]
+    assert (one["episodes"], two["episodes"]) == (32, 96)
+    assert two["env_steps"] > one["env_steps"] and abs(two["first_ratio"] - 1.0) < 1e-4
+
+
 def test_a_value_head_on_the_expert_reads_its_features_of_the_observation_in_both_rollouts(toy_start):
     """``expert_features``: the critic's input is the robot and privileged state, then the action
     expert's features of the same observation (deterministic: no sampling noise in them, no gradient

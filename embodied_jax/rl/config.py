@@ -18,7 +18,11 @@ from embodied_jax.train.config import ExperimentConfig
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     task: str = "reach"  # a built-in MJX task (sim/tasks.py) or "toy_reach"
-    num_envs: int = 64  # environments per rollout (episodes per iteration)
+    num_envs: int = 64  # environments per rollout
+    # Rollouts of num_envs episodes each per update (πRL: 8 of 64 environments): num_envs x this many
+    # episodes per iteration with one compiled rollout; the update takes this many times the minibatches
+    # (each the size of one rollout's), so its memory stays that of one rollout.
+    rollouts_per_update: int = 1
     execute_steps: int | None = None  # k actions executed per chunk (None: the run's evaluation's)
     iterations: int = 50
     minutes: float | None = None  # stop after this much wall time (checkpointed), whichever first
@@ -75,6 +79,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.train must be 'action_expert' or 'all', got {self.train!r}")
         if self.demo_batch < 0:
             raise ValueError(f"RLConfig.demo_batch must be >= 0, got {self.demo_batch}")
+        if self.rollouts_per_update < 1:
+            raise ValueError(f"RLConfig.rollouts_per_update must be >= 1, got {self.rollouts_per_update}")
         if self.noise_level <= 0:
             raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
 

@@ -1,7 +1,7 @@
 """The RL loop: rollout, advantages, PPO update, metrics, evaluation and checkpoints, resumable.
 
-One iteration: a jitted rollout of ``num_envs`` episodes with the policy in the loop
-(``rollout.py``), advantages (GAE with the critic, or GRPO's group-normalised success), the
+One iteration: ``rollouts_per_update`` jitted rollouts of ``num_envs`` episodes each with the
+policy in the loop (``rollout.py``), advantages (GAE with the critic, or GRPO's group-normalised success), the
 start policy's log-probability of every sampled chain (the KL to the start), and one jitted
 PPO update (``ppo.py``) of the weights ``rl.train`` names (``scope.py``). Each iteration writes a
 ``metrics.jsonl`` / TensorBoard row: success rate and return of the rollout, value loss, KL to
@@ -211,7 +211,12 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
         else:
             with st.rt.context():
                 rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec, mesh=_mesh(devices))
-        update = ppo.make_update(st.agent, critic, rl.ppo, policy_opt, critic_opt)
+        # Several rollouts per update: as many times the minibatches, each of one rollout's size (self-
+        # imitation draws a batch of its own size whatever the rollouts).
+        settings = rl.ppo
+        if rl.rollouts_per_update > 1 and rl.ppo.objective != "self_imitation":
+            settings = dataclasses.replace(rl.ppo, minibatches=rl.ppo.minibatches * rl.rollouts_per_update)
+        update = ppo.make_update(st.agent, critic, settings, policy_opt, critic_opt)
         minibatch = spec.decisions * rl.num_envs // rl.ppo.minibatches
         score = jax.jit(lambda p, batch: chain_scores(st.agent, p, batch, minibatch))
         sample_score = jax.jit(
@@ -236,7 +241,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
 
         demos = None
         if rl.demo_batch:
-            demos = DemoBatches(st, rl.demo_batch, rl.ppo.epochs * rl.ppo.minibatches, rl.seed)
+            demos = DemoBatches(st, rl.demo_batch, settings.epochs * settings.minibatches, rl.seed)
             cleanup.callback(demos.close)
         demo_iterator = demos.iterator if demos is not None else None
         ckpt = RLCheckpointer(workdir, rl.keep_last)
@@ -273,10 +278,18 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             key = jax.random.fold_in(jax.random.key(rl.seed), it)
             k_roll, k_update = jax.random.split(key)
             t0 = time.perf_counter()
-            batch_rollout = rollout(Scope.combine(params, fixed), critic_params, k_roll)
-            jax.block_until_ready(batch_rollout.success)
+            weights = Scope.combine(params, fixed)
+            rollouts = [
+                rollout(weights, critic_params, jax.random.fold_in(k_roll, r) if r else k_roll)
+                for r in range(rl.rollouts_per_update)
+            ]
+            jax.block_until_ready([r.success for r in rollouts])
             t_roll = time.perf_counter() - t0
-            adv, returns = _advantages(rl, batch_rollout)
+            # Advantages per rollout (GRPO's groups share reset keys within one), then side by side.
+            per_rollout = [_advantages(rl, r) for r in rollouts]
+            adv = jnp.concatenate([a for a, _ in per_rollout], axis=1)
+            returns = jnp.concatenate([g for _, g in per_rollout], axis=1)
+            batch_rollout = rollout_lib.concat_rollouts(rollouts)
             critic_params = value_stats(critic_params, returns, batch_rollout.active, first=it == 0)
             batch = ppo.flat_decisions(batch_rollout, adv, returns, batch_rollout.log_prob)
             t0 = time.perf_counter()
@@ -315,6 +328,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             if pool is not None:
                 row["imitation_pool"] = int(pool.size)  # the decisions self-imitation could draw from
             row.update(
+                episodes=int(batch_rollout.success.shape[0]),
                 kl_to_start=kl_to_start,
                 success_rate=float(jnp.mean(batch_rollout.success)),
                 episode_return=float(jnp.mean(batch_rollout.episode_return)),

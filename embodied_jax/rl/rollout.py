@@ -51,6 +51,21 @@ class Rollout:
     env_steps: jax.Array  # [B] control steps taken
 
 
+EPISODE_FIELDS = ("success", "episode_return", "env_steps")  # [B]; the other fields are time-major [T, B, ...]
+
+
+def concat_rollouts(rollouts: list[Rollout]) -> Rollout:
+    """Several rollouts of one spec as one, their episodes side by side (B = the sum)."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    fields = {}
+    for field in dataclasses.fields(Rollout):
+        axis = 0 if field.name in EPISODE_FIELDS else 1
+        parts = [getattr(r, field.name) for r in rollouts]
+        fields[field.name] = jax.tree.map(lambda *xs, axis=axis: jnp.concatenate(xs, axis=axis), *parts)
+    return Rollout(**fields)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
     num_envs: int
