@@ -62,6 +62,24 @@ ROWS = (
         "docs/metaworld.md",
     ),
     Headline(
+        "&nbsp;&nbsp;the same with noise and 150 demonstrations on the four precision tasks (`--task-data`)",
+        "metaworld_mt10",
+        (
+            "--task-data",
+            "reach=150@auto",
+            "push=150@auto",
+            "pick-place=150@auto",
+            "peg-insert-side=150",
+            "--collect-workers",
+            "1",
+            "--train.steps",
+            "16000",
+            "--train.eval-every",
+            "4000",
+        ),
+        "docs/metaworld.md",
+    ),
+    Headline(
         "`metaworld_mt50_gr00t --tasks metaworld:mt10` (GR00T-N1.5, 6000 steps) by LeRobot's protocol",
         "metaworld_mt10_gr00t",
         (
