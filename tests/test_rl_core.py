@@ -338,3 +338,16 @@ def test_a_value_head_on_the_expert_reads_its_features_of_the_observation_in_bot
         st.params, critic_params, jax.random.key(5)
     )
     np.testing.assert_allclose(np.asarray(host.critic_input), got.critic_input, rtol=1e-5, atol=1e-5)
+
+
+def test_a_held_out_row_gives_each_metaworld_tasks_rate_beside_the_whole():
+    from embodied_jax.rl.loop import held_out_row
+
+    result = {"success_rate": 0.25, "per_task": {"push": {"success_rate": 0.1}, "reach": {"success_rate": 0.4}}}
+    assert held_out_row("metaworld:push,reach", result) == {
+        "eval/metaworld:push,reach/success_rate": 0.25,
+        "eval/push/success_rate": 0.1,
+        "eval/reach/success_rate": 0.4,
+    }
+    one = {"success_rate": 0.5, "mean_return": 2.0, "per_task": {"reach": {"success_rate": 0.5}}}
+    assert held_out_row("reach", one) == {"eval/reach/success_rate": 0.5, "eval/reach/mean_return": 2.0}

@@ -165,6 +165,18 @@ class MetaWorldHeldOut:
         return self.evaluate(policy, self.tasks, self.settings)
 
 
+def held_out_row(task: str, result: dict[str, Any]) -> dict[str, float]:
+    """A held-out evaluation's metrics: the success rate (and mean return) over all its episodes, and
+    with several Meta-World tasks each task's rate."""
+    row = {f"eval/{task}/success_rate": result["success_rate"]}
+    if "mean_return" in result:
+        row[f"eval/{task}/mean_return"] = result["mean_return"]
+    per_task = result.get("per_task", {})
+    if len(per_task) > 1:
+        row.update({f"eval/{name}/success_rate": entry["success_rate"] for name, entry in per_task.items()})
+    return row
+
+
 def held_out_evaluation(st: Start, config: RLExperimentConfig, execute_steps: int):
     """``evaluate(params, out_dir=None) -> {"success_rate", ...}`` of the policy as deployed on the
     held-out seed, or None (the toy policy, or ``rl.eval_envs`` 0)."""
@@ -268,8 +280,9 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
         evaluate_start = held_out is not None and rl.eval_every > 0  # the start's figure, stop rule or not
         watch = evaluate_start and rl.stop_below_start > 0
         if evaluate_start and counters["start_success"] < 0:
-            counters["start_success"] = held_out(st.params)["success_rate"]
-            metrics.write(0, {f"eval/{rl.task}/success_rate": counters["start_success"]})
+            result = held_out(st.params)
+            counters["start_success"] = result["success_rate"]
+            metrics.write(0, held_out_row(rl.task, result))
         began, base_elapsed = time.monotonic(), counters["elapsed_s"]
         skips = 0
         final = stopped = None
@@ -350,13 +363,7 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
                     final = {**result, "iteration": it, "seed": rl.eval_seed}
                     (workdir / "eval").mkdir(exist_ok=True)
                     (workdir / "eval" / "results.json").write_text(json.dumps(final, indent=2))
-                row.update(
-                    {
-                        f"eval/{rl.task}/success_rate": result["success_rate"],
-                    }
-                )
-                if "mean_return" in result:
-                    row[f"eval/{rl.task}/mean_return"] = result["mean_return"]
+                row.update(held_out_row(rl.task, result))
                 if watch:
                     below = result["success_rate"] < counters["start_success"]
                     counters["below_start"] = counters["below_start"] + 1 if below else 0
