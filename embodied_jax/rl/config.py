@@ -21,7 +21,8 @@ class RLConfig:
     num_envs: int = 64  # environments per rollout
     # Rollouts of num_envs episodes each per update (πRL: 8 of 64 environments): num_envs x this many
     # episodes per iteration with one compiled rollout; the update takes this many times the minibatches
-    # (each the size of one rollout's), so its memory stays that of one rollout.
+    # (each the size of one rollout's), so a gradient step's memory stays one rollout's (the rollouts'
+    # decisions are all held until the update).
     rollouts_per_update: int = 1
     execute_steps: int | None = None  # k actions executed per chunk (None: the run's evaluation's)
     iterations: int = 50
