@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import pathlib
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -47,10 +48,16 @@ def serving_runtime(config: ExperimentConfig, devices: list | None) -> Runtime:
 
 
 def restore_run(
-    ckpt_dir: str | os.PathLike, *, step: int | None = None, devices: list | None = None
+    ckpt_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    devices: list | None = None,
+    model_edits: dict[str, Any] | None = None,
 ) -> tuple[ExperimentConfig, Runtime, TrainState, dict, int]:
     """A run's saved config (its asset fields pointing into the step), its serving runtime over
-    ``devices``, the restored train state and statistics, and the step (default: the latest)."""
+    ``devices``, the restored train state and statistics, and the step (default: the latest).
+    ``model_edits``: model config fields replaced before the runtime is built, for settings that
+    leave the weights' shapes alone (e.g. ``num_inference_steps``)."""
     path = pathlib.Path(ckpt_dir).absolute()
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
@@ -63,6 +70,11 @@ def restore_run(
             raise FileNotFoundError(f"{path}: no checkpoint steps")
         config = from_dict(ckpt.read_json(step, "config"))
         config = dataclasses.replace(config, model=with_assets(config.model, ckpt.step_directory(step)))
+        if model_edits:
+            unknown = sorted(k for k in model_edits if not hasattr(config.model, k))
+            if unknown:
+                raise ValueError(f"{ckpt_dir}: the run's model config has no {unknown}")
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, **model_edits))
         rt = serving_runtime(config, devices)
         state, norm_stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step)
     finally:

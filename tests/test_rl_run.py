@@ -1,6 +1,6 @@
 """An RL run of a trained policy (the session's tiny demo run): it resumes from its checkpoint with
 the uninterrupted run's metrics (the demonstrations' batches included), and its checkpoints load
-with ``load_policy`` as any run's."""
+with ``load_policy`` as any run's, sampling with the denoising steps RL trained with."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def _config(demo_run, workdir, iterations):
             policy_lr=1e-3,
             shaping=0.1,  # dense rewards: advantages that are not all zero when no episode succeeds
             demo_batch=4,  # the run's demonstrations beside PPO: their iterator resumes with the run
+            num_inference_steps=1,  # the demo run samples with 2: RL's policy is saved with RL's sampler
             ppo=PPOSettings(epochs=1, minibatches=2),
         ),
     )
@@ -67,6 +68,7 @@ def test_rl_run_resumes_with_identical_metrics_and_loads_with_load_policy(demo_r
     bundle = load_policy(cut)  # the RL weights, read as any run's policy
     start = load_policy(demo_run)
     assert bundle.step == 2
+    assert (bundle.config.model.num_inference_steps, start.config.model.num_inference_steps) == (1, 2)
     changed = jax.tree.map(lambda p, q: float(np.abs(np.asarray(p) - np.asarray(q)).max()), bundle.params, start.params)
     assert max(jax.tree.leaves(changed)) > 0  # the update moved the policy
     # only its action expert (RLConfig.train's default): vision tower, projector and the VLM's stream bit-identical

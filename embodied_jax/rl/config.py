@@ -33,7 +33,9 @@ class RLConfig:
     # as deployed (50% against 55%); at πRL's 0.5 they succeed at 17% (docs/rl.md, "Figures").
     noise_level: float = 0.1
     stochastic_steps: tuple[int, ...] | None = None
-    num_inference_steps: int | None = None  # the sampler's steps (None: the model's own)
+    # The sampler's denoising steps during RL and afterwards: the held-out evaluations (the start's too) and
+    # the checkpoints' config take them, so the policy is deployed as it was trained (None: the model's own).
+    num_inference_steps: int | None = None
     # Only the executed actions of each chunk (its first execute_steps) count in the likelihood ratio:
     # with k = 1 of a horizon of 8, seven eighths of the chunk's densities never reach the robot.
     executed_log_prob: bool = False
@@ -82,6 +84,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.demo_batch must be >= 0, got {self.demo_batch}")
         if self.rollouts_per_update < 1:
             raise ValueError(f"RLConfig.rollouts_per_update must be >= 1, got {self.rollouts_per_update}")
+        if self.num_inference_steps is not None and self.num_inference_steps < 1:
+            raise ValueError(f"RLConfig.num_inference_steps must be >= 1, got {self.num_inference_steps}")
         if self.noise_level <= 0:
             raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
 

@@ -73,6 +73,14 @@ def _sde(config: RLExperimentConfig, execute_steps: int) -> flow.FlowSDE:
     return flow.FlowSDE(config.rl.noise_level, config.rl.stochastic_steps, counted)
 
 
+def _model_edits(config: RLExperimentConfig) -> dict[str, Any] | None:
+    """With ``rl.num_inference_steps`` the policy is sampled, evaluated and saved with that many
+    denoising steps: the held-out figures (the start's included) and the RL checkpoints' config are
+    those of the sampler RL trained."""
+    n = config.rl.num_inference_steps
+    return None if n is None else {"num_inference_steps": n}
+
+
 def _merge(rt: Runtime, state: TrainState):
     return lambda params: rt.parts.merge(params, state.frozen, state.fp8, state.other)
 
@@ -85,7 +93,7 @@ def start(config: RLExperimentConfig, devices: list | None = None) -> Start:
     if not (run / "checkpoints").is_dir() and not run.is_dir():
         raise RLStartError(f"--init-from {config.init_from}: no run directory with checkpoints there")
     try:
-        base, rt, state, norm_stats, step = restore_run(run, devices=devices)
+        base, rt, state, norm_stats, step = restore_run(run, devices=devices, model_edits=_model_edits(config))
     except FileNotFoundError as e:
         raise RLStartError(f"--init-from {config.init_from}: {e}") from e
     evaluation = base.evaluation
