@@ -31,6 +31,8 @@ LAYOUTS = {
     "v30_h264": ([6, 7], dict(version="v3.0", codec="h264")),
     "v30_png": ([5, 7, 4], dict(version="v3.0", image_storage="png", episodes_per_file=2)),
     "v21_png": ([4, 6], dict(version="v2.1", image_storage="png")),
+    # files rolled over by size (LeRobot's data_files_size_in_mb), not by episode count
+    "v30_png_by_size": ([5, 7, 4, 6], dict(version="v3.0", image_storage="png", data_files_size_in_mb=0.005)),
 }
 
 
@@ -88,6 +90,33 @@ def test_v30_layout_hard_cases(written):
     assert info["features"]["observation.images.front"]["info"]["video.codec"] == "av1"
     tasks = pq.read_table(root / "meta/tasks.parquet")
     assert set(tasks.column_names) >= {"task_index"}
+
+
+def test_v30_files_roll_over_by_size_and_read_back_by_batches_when_pyarrow_cannot_read_them_whole(written, monkeypatch):
+    from embodied_jax.data import lerobot_meta
+
+    root, episodes = written["v30_png_by_size"]
+    files = sorted(root.glob("data/chunk-*/file-*.parquet"))
+    tables = [pq.read_table(f) for f in files]
+    per_file = [sorted(set(t.column("episode_index").to_pylist())) for t in tables]
+    assert 1 < len(files) < len(episodes) and sum(per_file, []) == list(range(len(episodes)))
+    # whole episodes per file, each file within the limit unless it holds a single episode
+    assert all(t.nbytes <= 0.005 * 2**20 or len(e) == 1 for t, e in zip(tables, per_file, strict=True))
+    assert json.loads((root / "meta/info.json").read_text())["data_files_size_in_mb"] == 0.005
+
+    # a column chunk pyarrow will not read whole (PNG frames of over 2 GB in one row group): by batches
+    whole = lerobot_meta.read_parquet(files[0], list(CAMERAS))
+    real = pq.read_table
+
+    def refuses_nested(path, columns=None, **kwargs):
+        if columns and any(c in CAMERAS for c in columns):
+            raise pa.ArrowNotImplementedError("Nested data conversions not implemented for chunked array outputs")
+        return real(path, columns=columns, **kwargs)
+
+    monkeypatch.setattr(pq, "read_table", refuses_nested)
+    assert lerobot_meta.read_parquet(files[0], list(CAMERAS)).equals(whole)
+    ds = LeRobotDataset(root)
+    assert decode_frame_id(ds.frame(len(episodes) - 1, 2)["observation.images.wrist"]) == (len(episodes) - 1, 2, 1)
 
 
 def test_v21_layout(written):

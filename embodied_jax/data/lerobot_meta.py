@@ -81,8 +81,16 @@ def read_parquet(
         missing = [c for c in list(columns or ()) + list(also_require) if c not in schema.names]
         if missing:
             raise DatasetError(f"{where}: missing column(s) {missing}; the file has {schema.names}")
+    names = list(columns) if columns is not None else None
     try:
-        return pq.read_table(path, columns=list(columns) if columns is not None else None)
+        try:
+            return pq.read_table(path, columns=names)
+        except pa.ArrowNotImplementedError:
+            # A nested column (PNG frames: struct<bytes, path>) of over 2 GB in one row group, as one
+            # file of a large dataset written unsplit holds: pyarrow reads it only batch by batch.
+            subset = schema if names is None else pa.schema([schema.field(n) for n in names])
+            batches = pq.ParquetFile(path).iter_batches(batch_size=65536, columns=names)
+            return pa.Table.from_batches(list(batches), schema=subset)
     except (pa.ArrowInvalid, OSError) as exc:
         raise DatasetError(f"{where}: unreadable parquet ({exc})") from exc
 

@@ -1,9 +1,10 @@
 """Writes small LeRobot v2.1 / v3.0 datasets from arrays (tests and simulated demonstrations).
 
 Real parquet (pyarrow) and real mp4 (PyAV, AV1 or H.264), laid out as LeRobot writes them:
-v2.1 has one parquet and one mp4 per camera per episode; v3.0 packs several episodes into
-each parquet/mp4 (``episodes_per_file``), so episodes after the first in a file have a
-non-zero ``from_timestamp``; files roll over into a new ``chunk-NNN`` directory every
+v2.1 has one parquet and one mp4 per camera per episode; v3.0 packs whole episodes into
+each parquet/mp4 (``episodes_per_file``, or by default as many as keep a parquet file within
+``data_files_size_in_mb`` of Arrow data, as info.json states), so episodes after the first in a
+file have a non-zero ``from_timestamp``; files roll over into a new ``chunk-NNN`` directory every
 ``chunk_size`` files. Cameras may instead be stored as PNG bytes inside the parquet.
 """
 
@@ -40,6 +41,7 @@ def write_lerobot_dataset(
     robot_type: str = "unknown",
     image_storage: str = "video",
     episodes_per_file: int | None = None,
+    data_files_size_in_mb: float = 100,
     chunk_size: int = 1000,
     modality: Mapping | None = None,
     image_shape_order: str = "hwc",
@@ -73,6 +75,7 @@ def write_lerobot_dataset(
         _episode_table(i, episode, int(starts[i]), fps, tasks, vectors, cameras, image_storage, features)
         for i, episode in enumerate(episodes)
     ]
+    files = _file_groups([t.nbytes for t in tables], episodes_per_file, data_files_size_in_mb)
     episode_stats = [
         _episode_stats(episode, table, vectors, cameras) for episode, table in zip(episodes, tables, strict=True)
     ]
@@ -92,7 +95,7 @@ def write_lerobot_dataset(
             fps,
             codec,
             image_storage,
-            episodes_per_file or len(episodes),
+            files,
             chunk_size,
             tasks,
             episode_stats,
@@ -119,7 +122,7 @@ def write_lerobot_dataset(
     if version == fmt.V30:
         info.pop("total_chunks")
         info.pop("total_videos")
-        info["data_files_size_in_mb"] = 100
+        info["data_files_size_in_mb"] = data_files_size_in_mb
         info["video_files_size_in_mb"] = 500
     _write_json(root / fmt.INFO_PATH, info)
     _write_json(root / fmt.STATS_PATH, _aggregate_stats(episode_stats, lengths))
@@ -317,6 +320,26 @@ def _write_v21(root, episodes, tables, cameras, fps, codec, image_storage, chunk
     return len(episodes)
 
 
+def _file_groups(sizes: Sequence[int], episodes_per_file: int | None, size_in_mb: float) -> list[list[int]]:
+    """The episodes of each v3.0 data file: ``episodes_per_file`` at a time, or else consecutive
+    episodes while their tables stay within ``size_in_mb`` (an episode larger than that alone).
+    Bounded files also keep each parquet column chunk far below the 2 GB that pyarrow reads whole."""
+    if episodes_per_file is not None:
+        if episodes_per_file < 1:
+            raise ValueError(f"episodes_per_file must be >= 1, got {episodes_per_file}")
+        return [list(range(i, min(len(sizes), i + episodes_per_file))) for i in range(0, len(sizes), episodes_per_file)]
+    if size_in_mb <= 0:
+        raise ValueError(f"data_files_size_in_mb must be > 0, got {size_in_mb}")
+    limit, groups, total = size_in_mb * 2**20, [[]], 0
+    for i, size in enumerate(sizes):
+        if groups[-1] and total + size > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
 def _write_v30(
     root,
     episodes,
@@ -325,19 +348,15 @@ def _write_v30(
     fps,
     codec,
     image_storage,
-    episodes_per_file,
+    files,
     chunk_size,
     tasks,
     episode_stats,
     starts,
 ):
     rows: list[dict[str, Any]] = []
-    num_files = (len(episodes) + episodes_per_file - 1) // episodes_per_file
-    for file_number in range(num_files):
+    for file_number, members in enumerate(files):
         chunk, file_index = divmod(file_number, chunk_size)
-        members = list(
-            range(file_number * episodes_per_file, min(len(episodes), (file_number + 1) * episodes_per_file))
-        )
         path = root / fmt.V30_DATA_PATH.format(chunk_index=chunk, file_index=file_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.concat_tables([tables[i] for i in members]), path)
@@ -405,7 +424,7 @@ def _write_v30(
     }
     task_table = task_table.replace_schema_metadata({b"pandas": json.dumps(pandas_meta).encode()})
     pq.write_table(task_table, root / fmt.V30_TASKS_PATH)
-    return (num_files + chunk_size - 1) // chunk_size
+    return (len(files) + chunk_size - 1) // chunk_size
 
 
 def _write_json(path: pathlib.Path, payload) -> None:
