@@ -9,6 +9,11 @@ Flow-SDE sampler (``rl.diagnostics.compare_samplers``). Printed per setting: ``s
 (the executed actions' std over draws, RL / deployed; 1 is the deployed policy's spread) and
 ``mean_gap`` (|RL mean - deployed mean| in units of the deployed std). A setting is
 ``noise_level@steps`` with steps ``all`` or comma-separated step indices.
+
+``--episodes N`` (built-in tasks): also N whole episodes rolled out as RL rolls them out with each
+setting's sampler, and N episodes of the policy as deployed (RL's held-out evaluation, on the
+validation seed's resets): how much success each setting's exploration costs the policy before RL
+has changed anything.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class Flags:
     draws: int = 64
     settings: tuple[str, ...] = ("0.5@all", "1.0@0", "0.3@all", "1.0@all")
     seed: int = 0
+    episodes: int = 0
+    """built-in tasks: also roll out this many episodes per setting, and as deployed (0: none)"""
 
 
 def parse_setting(text: str):
@@ -77,8 +84,39 @@ def main(argv: list[str] | None = None) -> dict:
         result["deployed_std"] = float(out["deployed"]["std"].mean())
         print(f"{text:>10}: spread ratio {out['spread_ratio']:.3f}, mean gap {out['mean_gap']:.3f} deployed std")
     print(f"deployed sampler's mean std over draws: {result['deployed_std']:.4f}")
+    if args.episodes:
+        result["success"] = _success(st, args, sdes, jax.random.fold_in(key, 2))
     print(json.dumps({"rl_sampler": result}))
     return result
+
+
+def _success(st, args: Flags, sdes: dict, key) -> dict:
+    """Success over ``args.episodes`` episodes: RL's rollout with each setting's sampler, and the
+    policy as deployed (``rl.loop.HeldOutEvaluation`` on the validation seed)."""
+    import jax
+    import numpy as np
+
+    from embodied_jax.rl import rollout as rollout_lib
+    from embodied_jax.rl.config import RLConfig, RLExperimentConfig
+    from embodied_jax.rl.loop import HeldOutEvaluation, critic_functions
+
+    if st.host_stepped:
+        raise SystemExit("--episodes: built-in (MJX) tasks only; Meta-World's rollouts are rl_metaworld's")
+    k = st.execute_steps
+    spec = rollout_lib.RolloutSpec(
+        num_envs=args.episodes, execute_steps=k, decisions=rollout_lib.decisions_per_episode(st.env.episode_limit, k)
+    )
+    critic, critic_params = critic_functions(rollout_lib.critic_width(st.env), 32, 0)  # values unused here
+    out = {}
+    for text, sde in sdes.items():
+        with st.rt.context():
+            rollout = rollout_lib.make_rollout(st.env, dataclasses.replace(st.agent, sde=sde), critic, spec)
+        out[text] = float(np.mean(jax.device_get(rollout(st.params, critic_params, key).success)))
+        print(f"{text:>10}: rollout success {100 * out[text]:.1f}% of {args.episodes} episodes")
+    config = RLExperimentConfig(init_from=args.run, rl=RLConfig(task=args.task, eval_envs=args.episodes))
+    out["deployed"] = float(HeldOutEvaluation(st, config, k)(st.params)["success_rate"])
+    print(f"  deployed: success {100 * out['deployed']:.1f}% of {args.episodes} validation-seed episodes")
+    return out
 
 
 if __name__ == "__main__":
