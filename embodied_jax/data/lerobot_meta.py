@@ -63,6 +63,12 @@ def read_jsonl(path: pathlib.Path) -> list[dict]:
     return rows
 
 
+# pyarrow reads a nested column (PNG frames: struct<bytes, path>) whole only while one row group's
+# chunk of it stays under 2 GB; a row group larger than this (one file of a large dataset written
+# unsplit) is read batch by batch.
+WHOLE_READ_BYTES = 2**31 - 1
+
+
 def read_parquet(
     path: pathlib.Path,
     columns: Sequence[str] | None = None,
@@ -74,7 +80,8 @@ def read_parquet(
     if not path.exists():
         raise DatasetError(f"{where}: missing file")
     try:
-        schema = pq.read_schema(path)
+        parquet = pq.ParquetFile(path)
+        schema = parquet.schema_arrow
     except (pa.ArrowInvalid, OSError) as exc:
         raise DatasetError(f"{where}: unreadable parquet ({exc})") from exc
     if columns is not None or also_require:
@@ -83,14 +90,12 @@ def read_parquet(
             raise DatasetError(f"{where}: missing column(s) {missing}; the file has {schema.names}")
     names = list(columns) if columns is not None else None
     try:
-        try:
+        groups = parquet.metadata
+        largest = max((groups.row_group(i).total_byte_size for i in range(groups.num_row_groups)), default=0)
+        if largest <= WHOLE_READ_BYTES:
             return pq.read_table(path, columns=names)
-        except pa.ArrowNotImplementedError:
-            # A nested column (PNG frames: struct<bytes, path>) of over 2 GB in one row group, as one
-            # file of a large dataset written unsplit holds: pyarrow reads it only batch by batch.
-            subset = schema if names is None else pa.schema([schema.field(n) for n in names])
-            batches = pq.ParquetFile(path).iter_batches(batch_size=65536, columns=names)
-            return pa.Table.from_batches(list(batches), schema=subset)
+        subset = schema if names is None else pa.schema([schema.field(n) for n in names])
+        return pa.Table.from_batches(list(parquet.iter_batches(batch_size=65536, columns=names)), schema=subset)
     except (pa.ArrowInvalid, OSError) as exc:
         raise DatasetError(f"{where}: unreadable parquet ({exc})") from exc
 
