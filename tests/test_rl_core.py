@@ -123,6 +123,34 @@ def test_model_chain_log_prob_equals_the_sampled_one_and_only_stochastic_steps_c
     )
 
 
+def test_action_noise_likelihood_is_the_gaussian_around_the_deterministic_chain_from_the_initial_noise():
+    """``FlowSDE(action_noise=σ)``: the chunk is the deployed sampler's from the chain's own initial noise
+    plus N(0, σ²), its log-density (sampled and recomputed) is that Gaussian's in NumPy, and the
+    recomputed one depends on the initial noise, not on the stored intermediate states."""
+    from embodied_jax.models.toy_flow import ToyFlowConfig
+    from embodied_jax.parallel.mesh import MeshConfig, make_mesh
+    from embodied_jax.parallel.sharding import mesh_context
+
+    with mesh_context(make_mesh(MeshConfig(data=-1), jax.devices()[:1])):
+        model = ToyFlowConfig(horizon=4, num_steps=5).make(nnx.Rngs(0))
+    obs = {"state": jax.random.normal(jax.random.key(2), (6, 8))}
+    sigma = 0.05
+    sde = flow.FlowSDE(action_noise=sigma, counted_positions=3)
+    trace = model.sample_actions(obs, jax.random.key(3), trace=True, sde=sde)
+    deployed = np.asarray(model.sample_actions(obs, jax.random.key(9), noise=trace.states[0]), np.float64)
+    z = (np.asarray(trace.actions, np.float64) - deployed) / sigma
+    assert 0.5 < z.std() < 1.5  # the noise is there, at about its scale
+    expected = (-0.5 * z**2 - np.log(sigma) - 0.5 * np.log(2 * np.pi))[:, :3].sum(axis=(1, 2))
+    density = np.asarray(trace.log_density)
+    assert np.all(density[:-1] == 0)
+    np.testing.assert_allclose(flow.chunk_log_prob(trace.log_density), expected, rtol=1e-4, atol=1e-2)
+    np.testing.assert_allclose(model.chain_log_prob(obs, trace.states, sde), expected, rtol=1e-4, atol=1e-2)
+    moved_middle = trace.states.at[1:-1].add(1.0)
+    np.testing.assert_allclose(model.chain_log_prob(obs, moved_middle, sde), expected, rtol=1e-4, atol=1e-2)
+    moved_noise = trace.states.at[0].add(0.5)
+    assert np.all(np.abs(np.asarray(model.chain_log_prob(obs, moved_noise, sde)) - expected) > 1.0)
+
+
 def _numpy_gae(rewards, values, terminal, active, last_value, gamma, lam):
     T, B = rewards.shape
     adv = np.zeros((T, B))
@@ -306,6 +334,14 @@ def test_several_rollouts_per_update_train_on_all_their_episodes(toy_start, tmp_
     ).history[-1]
     assert (one["episodes"], two["episodes"]) == (32, 96)
     assert two["env_steps"] > one["env_steps"] and abs(two["first_ratio"] - 1.0) < 1e-4
+
+
+def test_with_action_noise_the_first_ratio_is_one_and_the_update_moves_the_policy(tmp_path, monkeypatch):
+    """``rl.action_noise``: the update recomputes each chunk's whole chain from its initial noise; with
+    the weights that sampled it the ratio is 1, and the first update moves the policy."""
+    row = _train_toy_with_held_out_figures(tmp_path, monkeypatch, [0.5], iterations=1, action_noise=0.05).history[-1]
+    assert abs(row["first_ratio"] - 1.0) < 1e-4
+    assert row["approx_kl"] > 0 and np.isfinite(row["approx_kl"])
 
 
 def test_a_value_head_on_the_expert_reads_its_features_of_the_observation_in_both_rollouts(toy_start):

@@ -18,6 +18,10 @@ inside the loop (``nn/traced.py``).
   transitions whose marginals are the ODE's, so a chunk has a likelihood, the sum of those
   steps' log-densities (``step_log_density``; ``transition_log_density`` recomputes it for a
   stored chain under other weights: the PPO ratio).
+- ``sde=FlowSDE(action_noise=σ)``: every step stays the Euler step and Gaussian noise of std σ is
+  added to the final chunk. Its mean is the whole deterministic chain from the stored initial
+  noise, recomputed under the weights being evaluated, so the likelihood depends on every step's
+  velocity (the deployed sampler with its noise held fixed, explored around in action space).
 
 Flow-SDE, written in the noise level ``s`` = |t - clean_time| (s = 1 at the noise, 0 at the
 data), the data's direction ``u = dx/ds`` (= v where the clean time is 0, -v where it is 1)
@@ -70,14 +74,20 @@ class FlowSDE(NamedTuple):
     the actions a robot executes of each chunk (None: all). Every position is still sampled with
     noise; the others' noise is treated as the sampler's own randomness, which drops from the
     likelihood ratio the terms of actions that never reach the robot (a lower-variance estimate
-    that ignores their slight influence, through attention, on the counted positions' later steps)."""
+    that ignores their slight influence, through attention, on the counted positions' later steps).
+    ``action_noise`` > 0: no step is stochastic; the final chunk gets Gaussian noise of this std
+    around the deterministic chain (module docstring), and ``noise_level``/``stochastic_steps`` are
+    unused."""
 
     noise_level: float = 0.5
     stochastic_steps: tuple[int, ...] | None = None
     counted_positions: int | None = None
+    action_noise: float = 0.0
 
     def mask(self, num_steps: int) -> jax.Array:
         """float32 [num_steps]: 1 where the step is stochastic."""
+        if self.action_noise > 0:
+            return jnp.zeros((num_steps,), jnp.float32)
         if self.stochastic_steps is None:
             return jnp.ones((num_steps,), jnp.float32)
         bad = [i for i in self.stochastic_steps if not 0 <= i < num_steps]
@@ -119,17 +129,28 @@ def step_log_density(schedule: FlowSchedule, sde: FlowSDE, states: jax.Array, ve
     return _log_density_at(schedule, sde, steps, states[:-1], velocities, states[1:])
 
 
+def _gaussian_log_density(sde: FlowSDE, y, mean, std):
+    """Elementwise log N(y; mean, std²), 0 where std is 0 and outside the counted positions."""
+    safe = jnp.where(std > 0, std, 1.0)
+    logp = -0.5 * jnp.square((y - mean) / safe) - jnp.log(safe) - 0.5 * jnp.log(2.0 * jnp.pi)
+    logp = jnp.where(std > 0, logp, 0.0)
+    if sde.counted_positions is not None:
+        logp = logp * (jnp.arange(y.shape[-2]) < sde.counted_positions)[:, None].astype(logp.dtype)
+    return logp
+
+
 def _log_density_at(schedule, sde, steps, before, velocities, after):
     def one(i, x, v, y):
         mean, std = _sde_step(schedule, sde, i, x, v)
-        safe = jnp.where(std > 0, std, 1.0)
-        logp = -0.5 * jnp.square((y - mean) / safe) - jnp.log(safe) - 0.5 * jnp.log(2.0 * jnp.pi)
-        logp = jnp.where(std > 0, logp, 0.0)
-        if sde.counted_positions is not None:
-            logp = logp * (jnp.arange(y.shape[-2]) < sde.counted_positions)[:, None].astype(logp.dtype)
-        return logp
+        return _gaussian_log_density(sde, y, mean, std)
 
     return jax.vmap(one)(steps, before, velocities, after)
+
+
+def _final_noise_density(sde: FlowSDE, num_steps: int, mean: jax.Array, noisy: jax.Array) -> jax.Array:
+    """[num_steps, ...]: the action noise's log-density of ``noisy`` around ``mean`` in the last step's row."""
+    density = _gaussian_log_density(sde, noisy, mean, jnp.asarray(sde.action_noise, jnp.float32))
+    return jnp.zeros((num_steps, *noisy.shape), density.dtype).at[-1].set(density)
 
 
 def chunk_log_prob(log_density: jax.Array) -> jax.Array:
@@ -142,7 +163,15 @@ def transition_log_density(
 ) -> jax.Array:
     """``step_log_density`` of a stored chain ``states`` [num_steps + 1, ...] with the velocities this
     ``module`` gives at its states (the likelihood of another policy's sample under this one). Only
-    the stochastic steps are evaluated (the others' densities are 0)."""
+    the stochastic steps are evaluated (the others' densities are 0); with ``sde.action_noise`` the
+    whole chain from ``states[0]``."""
+    if sde.action_noise > 0:
+
+        def euler(i, module, x):
+            return x + schedule.dt * velocity(module, x, i), None
+
+        mean, _ = module_scan(module, schedule.num_steps, euler, states[0])
+        return _final_noise_density(sde, schedule.num_steps, mean, states[-1])
     if sde.stochastic_steps is None:
         steps = tuple(range(schedule.num_steps))
     else:
@@ -200,12 +229,17 @@ def sample(
 
     def traced_euler(i, module, x):
         v = step_velocity(i, module, x)
-        if sde is None:
+        if sde is None or sde.action_noise > 0:
             return x + schedule.dt * v, (x, v)
         mean, std = _sde_step(schedule, sde, i, x, v)
         return mean + std * jax.random.normal(jax.random.fold_in(rng, i), x.shape, x.dtype), (x, v)
 
     last, (states, velocities) = module_scan(module, schedule.num_steps, traced_euler, x)
+    if sde is not None and sde.action_noise > 0:
+        noise = jax.random.normal(jax.random.fold_in(rng, schedule.num_steps), last.shape, last.dtype)
+        mean, last = last, last + sde.action_noise * noise
+        states = jnp.concatenate([states, last[None]], axis=0)
+        return FlowTrace(finish(last), states, velocities, _final_noise_density(sde, schedule.num_steps, mean, last))
     states = jnp.concatenate([states, last[None]], axis=0)
     log_density = None if sde is None else step_log_density(schedule, sde, states, velocities)
     return FlowTrace(finish(last), states, velocities, log_density)

@@ -33,6 +33,11 @@ class RLConfig:
     # as deployed (50% against 55%); at πRL's 0.5 they succeed at 17% (docs/rl.md, "Figures").
     noise_level: float = 0.1
     stochastic_steps: tuple[int, ...] | None = None
+    # > 0: no Flow-SDE step; instead the deterministic chain from the chunk's initial noise (the deployed
+    # sampler's) plus Gaussian noise of this std on the normalised chunk, whose likelihood is computed
+    # through the whole chain (nn/flow.py): the ratio sees every step that moves the executed action, and
+    # the exploration is in action space, where the Flow-SDE's barely moves it (docs/rl.md).
+    action_noise: float = 0.0
     # The sampler's denoising steps during RL and afterwards: the held-out evaluations (the start's too) and
     # the checkpoints' config take them, so the policy is deployed as it was trained (None: the model's own).
     num_inference_steps: int | None = None
@@ -88,6 +93,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.num_inference_steps must be >= 1, got {self.num_inference_steps}")
         if self.noise_level <= 0:
             raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
+        if self.action_noise < 0:
+            raise ValueError(f"RLConfig.action_noise must be >= 0 (0: Flow-SDE), got {self.action_noise}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,9 +68,10 @@ class Start:
 
 def _sde(config: RLExperimentConfig, execute_steps: int) -> flow.FlowSDE:
     """The rollout's Flow-SDE; with ``rl.executed_log_prob`` only the ``execute_steps`` executed
-    actions of each chunk count in its likelihood."""
+    actions of each chunk count in its likelihood; with ``rl.action_noise`` the exploration is
+    Gaussian noise on the chunk around the deterministic chain."""
     counted = execute_steps if config.rl.executed_log_prob else None
-    return flow.FlowSDE(config.rl.noise_level, config.rl.stochastic_steps, counted)
+    return flow.FlowSDE(config.rl.noise_level, config.rl.stochastic_steps, counted, config.rl.action_noise)
 
 
 def _model_edits(config: RLExperimentConfig) -> dict[str, Any] | None:

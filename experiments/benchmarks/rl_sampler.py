@@ -8,7 +8,8 @@ the deployed sampler (the model's Euler steps from fresh noise) and from each se
 Flow-SDE sampler (``rl.diagnostics.compare_samplers``). Printed per setting: ``spread_ratio``
 (the executed actions' std over draws, RL / deployed; 1 is the deployed policy's spread) and
 ``mean_gap`` (|RL mean - deployed mean| in units of the deployed std). A setting is
-``noise_level@steps`` with steps ``all`` or comma-separated step indices.
+``noise_level@steps`` with steps ``all`` or comma-separated step indices, or ``std@action``: Gaussian
+noise of that std on the deterministic chain's chunk (``RLConfig.action_noise``).
 
 ``--episodes N`` (built-in tasks): also N whole episodes rolled out as RL rolls them out with each
 setting's sampler, and N episodes of the policy as deployed (RL's held-out evaluation, on the
@@ -49,7 +50,9 @@ def parse_setting(text: str):
 
     noise, _, steps = text.partition("@")
     if not steps:
-        raise ValueError(f"setting {text!r}: expected noise_level@steps (steps: all or 0,1,...)")
+        raise ValueError(f"setting {text!r}: expected noise_level@steps (steps: all, action or 0,1,...)")
+    if steps == "action":
+        return FlowSDE(action_noise=float(noise))
     return FlowSDE(float(noise), None if steps == "all" else tuple(int(s) for s in steps.split(",")))
 
 
