@@ -344,6 +344,15 @@ def test_with_action_noise_the_first_ratio_is_one_and_the_update_moves_the_polic
     assert row["approx_kl"] > 0 and np.isfinite(row["approx_kl"])
 
 
+def test_during_the_critic_warmup_the_policy_stays_the_start_and_moves_after(tmp_path, monkeypatch):
+    """``rl.critic_warmup=1``: the first iteration's update leaves the policy where it started (its
+    log-probabilities under the start's weights the same: KL 0 before the second update), the second
+    moves it."""
+    history = _train_toy_with_held_out_figures(tmp_path, monkeypatch, [0.5], iterations=3, critic_warmup=1).history
+    kl = [row["kl_to_start"] for row in history if "kl_to_start" in row]
+    assert kl[0] == 0.0 and kl[1] == 0.0 and kl[2] > 0.0
+
+
 def test_a_value_head_on_the_expert_reads_its_features_of_the_observation_in_both_rollouts(toy_start):
     """``expert_features``: the critic's input is the robot and privileged state, then the action
     expert's features of the same observation (deterministic: no sampling noise in them, no gradient

@@ -56,6 +56,10 @@ class RLConfig:
     # RL starts from the run's EMA weights and trains them directly; those trained weights are the ones
     # evaluated and checkpointed (as both params and EMA): no EMA is kept during RL.
     policy_lr: float = 1e-5
+    # Iterations at the start in which only the critic trains (the actor's learning rate 0): until the
+    # critic has learned (explained variance 0 at the first update), the advantages are the returns'
+    # spread between initial states, and on handover every run's first updates cost 8-14 points.
+    critic_warmup: int = 0
     critic_lr: float = 1e-3
     privileged_critic: bool = True  # the critic sees the simulator's privileged state (never deployed)
     # The critic also reads the action expert's features of the policy's observation (a value head on
@@ -93,6 +97,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.num_inference_steps must be >= 1, got {self.num_inference_steps}")
         if self.noise_level <= 0:
             raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
+        if self.critic_warmup < 0:
+            raise ValueError(f"RLConfig.critic_warmup must be >= 0, got {self.critic_warmup}")
         if self.action_noise < 0:
             raise ValueError(f"RLConfig.action_noise must be >= 0 (0: Flow-SDE), got {self.action_noise}")
 

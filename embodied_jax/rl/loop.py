@@ -211,7 +211,12 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
         if rl.expert_features:
             critic_in += rollout_lib.expert_width(st.agent, st.params, _observation_example(st))
         critic, critic_params = critic_functions(critic_in, rl.critic_width, rl.seed)
-        policy_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.policy_lr))
+        # Several rollouts per update: as many times the minibatches, each of one rollout's size (self-
+        # imitation draws a batch of its own size whatever the rollouts).
+        settings = rl.ppo
+        if rl.rollouts_per_update > 1 and rl.ppo.objective != "self_imitation":
+            settings = dataclasses.replace(rl.ppo, minibatches=rl.ppo.minibatches * rl.rollouts_per_update)
+        policy_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(_policy_lr(rl, settings)))
         critic_opt = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(rl.critic_lr))
         params, fixed = st.scope.partition(st.params)  # params: the weights RL moves; fixed: the rest
         if len(devices) == 1:  # the updates' outputs live on the device uncommitted to a mesh: no retrace
@@ -223,11 +228,6 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
         else:
             with st.rt.context():
                 rollout = rollout_lib.make_rollout(st.env, st.agent, critic, spec, mesh=_mesh(devices))
-        # Several rollouts per update: as many times the minibatches, each of one rollout's size (self-
-        # imitation draws a batch of its own size whatever the rollouts).
-        settings = rl.ppo
-        if rl.rollouts_per_update > 1 and rl.ppo.objective != "self_imitation":
-            settings = dataclasses.replace(rl.ppo, minibatches=rl.ppo.minibatches * rl.rollouts_per_update)
         update = ppo.make_update(st.agent, critic, settings, policy_opt, critic_opt)
         minibatch = spec.decisions * rl.num_envs // rl.ppo.minibatches
         score = jax.jit(lambda p, batch: chain_scores(st.agent, p, batch, minibatch))
@@ -391,6 +391,15 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
                 log.info("stopping after %.1f minutes (rl.minutes)", counters["elapsed_s"] / 60)
                 break
         return RLResult(workdir, it, metrics.history, final, stopped)
+
+
+def _policy_lr(rl, settings: ppo.PPOSettings):
+    """The actor's learning rate: 0 for the first ``rl.critic_warmup`` iterations' updates (counted by
+    the optimiser, so a resumed run keeps its place), ``rl.policy_lr`` after."""
+    if not rl.critic_warmup:
+        return rl.policy_lr
+    held = rl.critic_warmup * settings.epochs * settings.minibatches
+    return optax.join_schedules([optax.constant_schedule(0.0), optax.constant_schedule(rl.policy_lr)], [held])
 
 
 def _advantages(rl, r):
