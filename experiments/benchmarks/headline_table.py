@@ -112,6 +112,26 @@ ROWS = (
         "docs/metaworld.md",
     ),
     Headline(
+        "&nbsp;&nbsp;the same with noise and 150 demonstrations on the medium, hard and very hard tasks "
+        "(`--task-data`)",
+        "metaworld_mt50",
+        (
+            "--task-data",
+            "medium=150@auto",
+            "hard=150@auto",
+            "very_hard=150@auto",
+            "--train.steps",
+            "24000",
+            "--train.eval-every",
+            "6000",
+            "--evaluation.episodes",
+            "1",
+            "--evaluation.envs",
+            "1",
+        ),
+        "docs/metaworld.md",
+    ),
+    Headline(
         "&nbsp;&nbsp;`metaworld_mt50`, the default 6000 steps",
         "metaworld_mt50",
         (
