@@ -35,8 +35,9 @@ class RLConfig:
     stochastic_steps: tuple[int, ...] | None = None
     # > 0: no Flow-SDE step; instead the deterministic chain from the chunk's initial noise (the deployed
     # sampler's) plus Gaussian noise of this std on the normalised chunk, whose likelihood is computed
-    # through the whole chain (nn/flow.py): the ratio sees every step that moves the executed action, and
-    # the exploration is in action space, where the Flow-SDE's barely moves it (docs/rl.md).
+    # through the whole chain (nn/flow.py): the ratio sees every step that moves the executed action, and its
+    # one density is that of the perturbation executed (the Flow-SDE's early steps add noise the later ones
+    # take back out). On handover 0.01 costs 6 points before RL and RL did not gain (docs/rl.md).
     action_noise: float = 0.0
     # The sampler's denoising steps during RL and afterwards: the held-out evaluations (the start's too) and
     # the checkpoints' config take them, so the policy is deployed as it was trained (None: the model's own).
@@ -56,9 +57,9 @@ class RLConfig:
     # RL starts from the run's EMA weights and trains them directly; those trained weights are the ones
     # evaluated and checkpointed (as both params and EMA): no EMA is kept during RL.
     policy_lr: float = 1e-5
-    # Iterations at the start in which only the critic trains (the actor's learning rate 0): until the
-    # critic has learned (explained variance 0 at the first update), the advantages are the returns'
-    # spread between initial states, and on handover every run's first updates cost 8-14 points.
+    # Iterations at the start in which only the critic trains (the actor's learning rate 0), so the first
+    # policy update uses a critic that has learned (explained variance 0 at the first update otherwise).
+    # On handover the first updates' dip of 5-14 points came anyway with 3 (docs/rl.md).
     critic_warmup: int = 0
     critic_lr: float = 1e-3
     privileged_critic: bool = True  # the critic sees the simulator's privileged state (never deployed)
