@@ -18,7 +18,7 @@ from embodied_jax.data.stats import (
     unnormalize,
 )
 from embodied_jax.data.synthetic import decode_frame_id, make_episodes
-from embodied_jax.data.transforms import AugmentConfig, ImageTransform
+from embodied_jax.data.transforms import AugmentConfig, ImageTransform, random_shift
 from embodied_jax.data.writer import write_lerobot_dataset
 from embodied_jax.images import resize_with_pad, to_unit_range
 
@@ -183,3 +183,32 @@ def test_image_transforms_are_seeded():
     assert not np.array_equal(a, c)
     plain = ImageTransform(cameras=("cam",), size=(32, 32))({"cam": image})["cam"]
     np.testing.assert_array_equal(plain, to_unit_range(padded))
+
+
+def test_random_shift_translates_with_edge_padding():
+    image = np.random.default_rng(0).integers(0, 255, size=(16, 20, 3), dtype=np.uint8)
+    seen = set()
+    for seed in range(40):
+        out = random_shift(image, np.random.default_rng(seed), 3)
+        assert out.shape == image.shape and out.dtype == image.dtype
+        # find the offset: the output is the input moved by (dy, dx), edges replicated
+        edge = np.pad(image, ((3, 3), (3, 3), (0, 0)), mode="edge")
+        offsets = [
+            (dy, dx) for dy in range(7) for dx in range(7) if np.array_equal(edge[dy : dy + 16, dx : dx + 20], out)
+        ]
+        assert offsets, "not a translation of the input"
+        dy, dx = offsets[0]
+        np.testing.assert_array_equal(
+            out[max(0, 3 - dy) : 16 - max(0, dy - 3), max(0, 3 - dx) : 20 - max(0, dx - 3)],
+            image[max(0, dy - 3) : 16 - max(0, 3 - dy), max(0, dx - 3) : 20 - max(0, 3 - dx)],
+        )
+        seen.add((dy, dx))
+    assert len(seen) > 10  # offsets drawn over the whole range, not one fixed move
+    only_shift = AugmentConfig(
+        shift=3, crop_scale=1.0, max_rotation_degrees=0, brightness=0, contrast=0, saturation=0, hue=0
+    )
+    np.testing.assert_array_equal(
+        only_shift.apply(image, np.random.default_rng(5)), random_shift(image, np.random.default_rng(5), 3)
+    )
+    with pytest.raises(ValueError, match="shift=-1"):
+        AugmentConfig(shift=-1)

@@ -1,4 +1,5 @@
-"""Image transforms on uint8 HWC arrays: resize (with padding), random crop, rotation, colour jitter.
+"""Image transforms on uint8 HWC arrays: resize (with padding), random shift, random crop, rotation,
+colour jitter.
 
 Random transforms take a `np.random.Generator`; the pipeline hands in Grain's per-record
 generator (`random_map`), so a run is reproducible from its seed. Resizing uses FFmpeg's
@@ -26,6 +27,15 @@ def random_crop_resize(image: np.ndarray, rng: np.random.Generator, scale: float
     top = int(rng.integers(0, h - crop_h + 1))
     left = int(rng.integers(0, w - crop_w + 1))
     return resize(np.ascontiguousarray(image[top : top + crop_h, left : left + crop_w]), h, w)
+
+
+def random_shift(image: np.ndarray, rng: np.random.Generator, pixels: int) -> np.ndarray:
+    """Translate by up to `pixels` each way: pad every side by replicating the edge, then cut a
+    window of the input's size at a random offset (DrQ's augmentation for pixel policies)."""
+    h, w = image.shape[:2]
+    padded = np.pad(image, ((pixels, pixels), (pixels, pixels), (0, 0)), mode="edge")
+    top, left = (int(v) for v in rng.integers(0, 2 * pixels + 1, size=2))
+    return np.ascontiguousarray(padded[top : top + h, left : left + w])
 
 
 def rotate(image: np.ndarray, degrees: float) -> np.ndarray:
@@ -78,8 +88,11 @@ def color_jitter(
 @register
 @dataclasses.dataclass(frozen=True)
 class AugmentConfig:
-    """Training-time image augmentation (all off when a field is 0 / 1)."""
+    """Training-time image augmentation (all off when a field is 0 / 1). ``shift`` (pixels,
+    default off) translates each image at random before the rest; it keeps every object's size,
+    where a crop rescales."""
 
+    shift: int = 0
     crop_scale: float = 0.95
     max_rotation_degrees: float = 5.0
     brightness: float = 0.3
@@ -87,7 +100,13 @@ class AugmentConfig:
     saturation: float = 0.5
     hue: float = 0.08
 
+    def __post_init__(self):
+        if self.shift < 0:
+            raise ValueError(f"shift={self.shift}: a number of pixels, at least 0")
+
     def apply(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        if self.shift:
+            image = random_shift(image, rng, self.shift)
         if self.crop_scale < 1.0:
             image = random_crop_resize(image, rng, self.crop_scale)
         if self.max_rotation_degrees > 0:
