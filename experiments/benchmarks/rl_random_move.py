@@ -5,8 +5,8 @@ weights cost what any move of its size costs?
 RL's move is the difference of the two sets of weights, leaf by leaf (only the weights RL trained
 differ). Each random move has the same norm as RL's in every leaf (times ``--scales``), in a
 direction drawn from a Gaussian. Every policy is scored as RL's held-out evaluation scores it (the
-deployed sampler, ``--episodes`` episodes of the validation seed, the same episodes and noise for
-all), so the start's and the RL checkpoint's figures are the RL run's own in-training ones.
+deployed sampler, ``--episodes`` episodes of ``--eval-seed``, by default the validation seed; the
+same episodes and noise for all), so the start's and the RL checkpoint's figures are the RL run's own in-training ones.
 
 Printed per policy: success, the weights' distance from the start, and how far its deployed
 actions moved: the mean |a - a_start| of the first chunk over ``--observations`` start states and
@@ -44,6 +44,8 @@ class Flags:
     random_draws: int = 2
     """random directions per scale"""
     episodes: int = 64
+    eval_seed: int = 2
+    """the episodes' seed (default: the validation seed, RL's held-out evaluation's)"""
     observations: int = 8
     draws: int = 16
     seed: int = 0
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     from embodied_jax.rl.start import start
 
     config = RLExperimentConfig(
-        init_from=args.start, rl=RLConfig(task=args.task, num_envs=args.observations, eval_envs=args.episodes)
+        init_from=args.start,
+        rl=RLConfig(task=args.task, num_envs=args.observations, eval_envs=args.episodes, eval_seed=args.eval_seed),
     )
     st = start(config, jax.local_devices()[:1])
     if st.host_stepped:
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         "task": args.task,
         "moved_step": moved_step,
         "episodes": args.episodes,
+        "eval_seed": args.eval_seed,
         "leaves_moved": moved_leaves,
         "start_spread": spread,
         "policies": rows,
