@@ -44,6 +44,11 @@ def test_compare_steps_times_every_variant_in_one_process(capsys):
             ["runs/mt10", "--dataset", "DIR", "--episodes", "4"],
             {"run": "runs/mt10", "dataset": "DIR", "episodes": 4, "steps": 8},
         ),
+        (
+            "rl_random_move",
+            ["START", "MOVED", "--moved-step", "10", "--scales", "0.1", "1", "--eval-seed", "1"],
+            {"start": "START", "moved": "MOVED", "moved_step": 10, "scales": (0.1, 1.0), "eval_seed": 1},
+        ),
         ("metaworld_frames", ["--sizes", "64", "480", "--frames", "5"], {"sizes": (64, 480), "frames": 5}),
         ("metaworld_goal_views", ["--tasks", "reach", "--sizes", "64"], {"tasks": ("reach",), "sizes": (64,)}),
         (
@@ -234,3 +239,21 @@ def test_a_goal_guessed_from_its_pixel_is_off_by_its_spread_along_the_camera_ray
     errors = pixel_guess_errors(np.concatenate([ray, aside]), pixels)
     np.testing.assert_allclose(errors[:3], np.linalg.norm(ray - ray.mean(axis=0), axis=1))
     assert errors[3] == 0.0
+
+
+def test_a_random_move_has_the_moves_norm_in_every_leaf_and_another_direction():
+    import jax
+    import numpy as np
+
+    from experiments.benchmarks.rl_random_move import random_move
+
+    rng = np.random.default_rng(0)
+    delta = {"expert": {"w": rng.normal(size=(6, 4)), "b": rng.normal(size=(4,))}, "vision": {"w": np.zeros((3, 3))}}
+    for scale in (1.0, 3.0):
+        move = random_move(delta, jax.random.key(1), scale)
+        for got, want in zip(jax.tree.leaves(move), jax.tree.leaves(delta), strict=True):
+            np.testing.assert_allclose(np.linalg.norm(got), scale * np.linalg.norm(want), rtol=1e-5)
+    w = np.asarray(random_move(delta, jax.random.key(1), 1.0)["expert"]["w"]).ravel()
+    cosine = w @ delta["expert"]["w"].ravel() / (np.linalg.norm(w) * np.linalg.norm(delta["expert"]["w"]))
+    assert abs(cosine) < 0.9  # a fresh direction, not RL's
+    assert not np.asarray(random_move(delta, jax.random.key(1), 1.0)["vision"]["w"]).any()  # frozen weights stay
