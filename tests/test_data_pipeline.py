@@ -246,3 +246,33 @@ def test_a_blind_state_is_zeros_for_the_model_and_old_configs_read_back_with_it_
     saved["config"].pop("blind_state")
     assert config_registry.from_dict(saved) == inputs  # a run saved before the field existed
     assert config_registry.from_dict(config_registry.to_dict(blind)) == blind
+
+
+def test_balanced_tasks_are_drawn_equally_whatever_their_frames(tmp_path):
+    # one "pick" episode of 5 frames against three "place" episodes of 12: 12% of the frames are pick's
+    episodes = make_episodes([5, 12, 12, 12], cameras=(), tasks=("pick", "place", "place", "place"))
+    root = write_lerobot_dataset(tmp_path / "ds", episodes, fps=FPS, version="v3.0")
+    spec = SampleSpec(action_horizon=2, camera_keys=())
+
+    def pick_share(balance: bool) -> tuple[float, set]:
+        config = _config(root, spec=spec, norm_modes=(), balance_tasks=balance)
+        with make_data_iterator(config, process_index=0, process_count=1, batch_size=20, seed=1) as it:
+            batches = _take(it, 20)
+        tasks = np.concatenate([b["task"] for b in batches])
+        frames = {(int(e), int(f)) for b in batches for e, f in zip(b["episode_index"], b["frame_index"], strict=True)}
+        return float(np.mean(tasks == "pick")), frames
+
+    share, frames = pick_share(True)
+    assert share == pytest.approx(0.5, abs=0.02)
+    assert {(0, f) for f in range(5)} <= frames  # every pick frame drawn, in turn
+    assert len({f for f in frames if f[0] != 0}) == 36  # and every place frame
+    plain, _ = pick_share(False)
+    assert plain == pytest.approx(5 / 41, abs=0.05)
+    config = _config(root, spec=spec, norm_modes=(), balance_tasks=True)  # a resumed run goes on where it was
+    with make_data_iterator(config, process_index=0, process_count=1, batch_size=4, seed=2) as it:
+        _take(it, 3)
+        state = json.loads(json.dumps(it.get_state()))
+        expected = _take(it, 3)
+    with make_data_iterator(config, process_index=0, process_count=1, batch_size=4, seed=2) as restored:
+        restored.set_state(state)
+        _assert_same_batches(_take(restored, 3), expected)

@@ -5,6 +5,9 @@ Order of operations (all lazy, per index, on a `grain.MapDataset`):
 1. each source is the range of its frames, globally shuffled with the seed (a new order each
    epoch) and repeated; several sources are mixed with weights ``weight x num_frames`` (GR00T:
    datasets in proportion to weight and length, trajectories in proportion to length);
+   with ``balance_tasks`` each source's frames are grouped by task, each task's frames shuffled
+   and repeated on their own, and the tasks mixed equally (a task with three times the
+   demonstrations is drawn as often as the others, not three times as often);
 2. load the raw sample (action chunk, pad masks, cameras, task) and apply the run's
    ``SampleTransform`` (``data/sample_transform.py``: normalise, resize/augment images with
    Grain's per-record RNG, rename to the model's layout, the model's input builder), the
@@ -33,6 +36,7 @@ from embodied_jax.config_registry import register
 from embodied_jax.data.framestore import FrameStore
 from embodied_jax.data.iterator import BatchIterator, IteratorStateMismatch
 from embodied_jax.data.lerobot import LeRobotDataset
+from embodied_jax.data.lerobot_format import TASK_INDEX
 from embodied_jax.data.packing import PackingConfig, pack
 from embodied_jax.data.sample_transform import ModelInputs, SampleTransform
 from embodied_jax.data.samples import SampleLoader, SampleSpec
@@ -68,6 +72,7 @@ class DataConfig:
     read_buffer: int = 64
     tolerance_s: float = 1e-4
     skip_bad_episodes: bool = False
+    balance_tasks: bool = False  # every task of a source drawn equally often, whatever its frame count
 
     def sample_transform(
         self,
@@ -134,6 +139,20 @@ def mixture_weights(sources: Sequence[SourceConfig], lengths: Sequence[int]) -> 
     return (raw / raw.sum()).tolist()
 
 
+def _task_balanced(task_of_frame: np.ndarray, seed: int):
+    """A source's frame indices, each task's shuffled and repeated apart, the tasks mixed equally."""
+    tasks = np.unique(task_of_frame)
+    per_task = [
+        grain.MapDataset.source(np.flatnonzero(task_of_frame == task).tolist())
+        .shuffle(seed=seed + 7919 * j)
+        .repeat(None)
+        for j, task in enumerate(tasks)
+    ]
+    if len(per_task) == 1:
+        return per_task[0]
+    return grain.MapDataset.mix(per_task, weights=[1.0] * len(per_task))
+
+
 def build_dataset(
     config: DataConfig,
     *,
@@ -163,8 +182,12 @@ def build_dataset(
 
     per_source = []
     for i, loader in enumerate(loaders):
-        ds = grain.MapDataset.range(len(loader)).shuffle(seed=seed * 1000003 + i).repeat(None).map(_Tag(i))
-        per_source.append(ds)
+        source_seed = seed * 1000003 + i
+        if config.balance_tasks:
+            ds = _task_balanced(np.asarray(loader.source.arrays[TASK_INDEX]), source_seed)
+        else:
+            ds = grain.MapDataset.range(len(loader)).shuffle(seed=source_seed).repeat(None)
+        per_source.append(ds.map(_Tag(i)))
     if len(per_source) == 1:
         mixed = per_source[0]
     else:
