@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     policies = {"start": st.params, f"RL iteration {moved_step}": with_move(delta)}
     key = jax.random.key(args.seed)
-    for scale in args.scales:
+    for j, scale in enumerate(args.scales):  # a direction of its own for every (scale, draw)
         for i in range(args.random_draws):
-            move = random_move(delta, jax.random.fold_in(key, 1000 * i + int(1000 * scale)), scale)
+            move = random_move(delta, jax.random.fold_in(jax.random.fold_in(key, 1 + j), i), scale)
             policies[f"random x{scale:g} #{i}"] = with_move(move)
 
     states = jax.jit(jax.vmap(st.env.reset))(jax.random.split(jax.random.fold_in(key, 7), args.observations))
