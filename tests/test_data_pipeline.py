@@ -276,3 +276,12 @@ def test_balanced_tasks_are_drawn_equally_whatever_their_frames(tmp_path):
     with make_data_iterator(config, process_index=0, process_count=1, batch_size=4, seed=2) as restored:
         restored.set_state(state)
         _assert_same_batches(_take(restored, 3), expected)
+
+
+def test_configs_saved_before_balance_and_shift_load_with_their_defaults():
+    from embodied_jax.config_registry import from_dict, to_dict
+
+    saved = to_dict(DataConfig(sources=(SourceConfig("r"),), augment=AugmentConfig()))
+    del saved["config"]["balance_tasks"], saved["config"]["augment"]["shift"]  # as runs saved them before
+    loaded = from_dict(saved)
+    assert loaded.balance_tasks is False and loaded.augment.shift == 0

@@ -74,6 +74,8 @@ class DataConfig:
     skip_bad_episodes: bool = False
     balance_tasks: bool = False  # every task of a source drawn equally often, whatever its frame count
 
+    ADDED_FIELDS = ("balance_tasks",)  # configs saved before it load with its default
+
     def sample_transform(
         self,
         stats: Mapping[str, FeatureStats] | None,

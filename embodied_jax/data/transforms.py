@@ -100,6 +100,8 @@ class AugmentConfig:
     saturation: float = 0.5
     hue: float = 0.08
 
+    ADDED_FIELDS = ("shift",)  # configs saved before it load with its default
+
     def __post_init__(self):
         if self.shift < 0:
             raise ValueError(f"shift={self.shift}: a number of pixels, at least 0")
