@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -36,6 +37,24 @@ def rollout_diagnostics(r, adv, returns) -> dict[str, float]:
     return out
 
 
+def executed_actions(
+    agent: FlowAgent, params: Any, observation: dict[str, Any], keys: jax.Array, *, rl_sampler: bool
+) -> jax.Array:
+    """Robot actions [draws, B, H, A] of one chunk per key for a batch [B] of the simulator's
+    observations: the RL sampler's (Flow-SDE) or, with ``rl_sampler`` False, the deployed one's."""
+
+    def draw(rng):
+        model = agent.merge(params)
+        model_obs = agent.observe(observation)
+        if rl_sampler:
+            chunk = model.sample_actions(model_obs, rng, num_steps=agent.num_steps, trace=True, sde=agent.sde).actions
+        else:
+            chunk = model.sample_actions(model_obs, rng)
+        return agent.act(chunk, observation["state"])
+
+    return jax.lax.map(draw, keys)
+
+
 def compare_samplers(agent: FlowAgent, params: Any, observation: dict[str, Any], draws: int, key: jax.Array) -> dict:
     """Executed actions of ``draws`` samples per observation (``observation``: a batch [B] of the
     simulator's observations) from the RL sampler and from the deployed one.
@@ -44,22 +63,9 @@ def compare_samplers(agent: FlowAgent, params: Any, observation: dict[str, Any],
     ``mean_gap`` (mean |rl mean - deployed mean| over observations, steps and dims, in units of the
     deployed sampler's mean std) and ``spread_ratio`` (mean rl std / mean deployed std)."""
 
-    def draw(p, obs, rng, rl_sampler: bool):
-        model = agent.merge(p)
-        model_obs = agent.observe(obs)
-        if rl_sampler:
-            chunk = model.sample_actions(model_obs, rng, num_steps=agent.num_steps, trace=True, sde=agent.sde).actions
-        else:
-            chunk = model.sample_actions(model_obs, rng)
-        return agent.act(chunk, obs["state"])
-
     out = {}
     for name, rl_sampler, k in zip(("rl", "deployed"), (True, False), jax.random.split(key), strict=True):
-
-        def draws_of(p, obs, keys, rl_sampler=rl_sampler):
-            return jax.lax.map(lambda r: draw(p, obs, r, rl_sampler), keys)
-
-        fn = jax.jit(draws_of)
+        fn = jax.jit(functools.partial(executed_actions, agent, rl_sampler=rl_sampler))
         samples = np.asarray(fn(params, observation, jax.random.split(k, draws)), np.float64)  # [draws, B, H, A]
         out[name] = {"mean": samples.mean(0), "std": samples.std(0)}
     scale = max(float(out["deployed"]["std"].mean()), 1e-12)

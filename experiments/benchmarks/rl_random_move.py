@@ -18,6 +18,7 @@ compared where the policy acts).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 from typing import Annotated
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from embodied_jax.loading import restore_run
     from embodied_jax.rl.config import RLConfig, RLExperimentConfig
+    from embodied_jax.rl.diagnostics import executed_actions
     from embodied_jax.rl.loop import HeldOutEvaluation
     from embodied_jax.rl.start import start
 
@@ -107,17 +109,12 @@ def main(argv: list[str] | None = None) -> dict:
     states = jax.jit(jax.vmap(st.env.reset))(jax.random.split(jax.random.fold_in(key, 7), args.observations))
     observation = jax.device_get(st.env.observe(states))
     observation["time_step"] = np.zeros((args.observations,), np.int32)
-    agent = st.agent
-
-    def deployed(p, keys):
-        def one(rng):
-            model = agent.merge(p)
-            return agent.act(model.sample_actions(agent.observe(observation), rng), observation["state"])
-
-        return jax.lax.map(one, keys)
-
-    sample = jax.jit(deployed)
+    deployed = jax.jit(functools.partial(executed_actions, st.agent, rl_sampler=False))
     noise_keys = jax.random.split(jax.random.fold_in(key, 8), args.draws)
+
+    def sample(params, keys):
+        return deployed(params, observation, keys)
+
     reference = np.asarray(sample(st.params, noise_keys), np.float64)  # [draws, B, H, A]
     spread = max(float(reference.std(0).mean()), 1e-12)
     evaluate = HeldOutEvaluation(st, config, st.execute_steps)
