@@ -17,13 +17,17 @@ from embodied_jax.models.toy_flow import ToyFlowConfig
 from embodied_jax.parallel.mesh import MeshConfig
 from embodied_jax.rl.config import RLConfig, RLExperimentConfig
 from embodied_jax.rl.ppo import PPOSettings
+from embodied_jax.rl.steering import SteerSettings
 from experiments.registry import register, register_runner
 
 TASKS = ("reach", "pick_place", "handover")
 
 
 def run_rl(config: RLExperimentConfig) -> int:
-    from embodied_jax.rl.loop import train
+    if isinstance(config, SteeringConfig):
+        from embodied_jax.rl.steer_loop import train
+    else:
+        from embodied_jax.rl.loop import train
 
     started = time.perf_counter()
     result = train(config)
@@ -88,6 +92,48 @@ def rl_metaworld() -> RLMetaWorldConfig:
     # LeRobot's protocol: 50 held-out episodes per task; 10 environments per task and iteration.
     return RLMetaWorldConfig(
         name="rl_metaworld", workdir="runs/rl_metaworld", rl=RLConfig(num_envs=10, eval_envs=50, eval_every=5)
+    )
+
+
+class SteeringConfig:
+    """Marks a run of noise-space steering (``rl/steering.py``, ``rl/steer_loop.py``) instead of PPO."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSteerConfig(RLExperimentConfig, SteeringConfig):
+    """``rl_steer_<task> --init-from RUN``: an actor that picks the frozen policy's initial noise,
+    learned by SAC (``steer``); ``rl`` gives the task, environments, evaluation and stopping."""
+
+    steer: SteerSettings = SteerSettings()
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSteerMetaWorldConfig(RLMetaWorldConfig, SteeringConfig):
+    """``rl_steer_metaworld --init-from RUN --tasks metaworld:<task>[,...]``: noise-space steering in
+    Meta-World's own environments."""
+
+    steer: SteerSettings = SteerSettings()
+
+
+def _steer_factory(task: str):
+    def factory() -> RLSteerConfig:
+        return RLSteerConfig(name=f"rl_steer_{task}", rl=RLConfig(task=task), workdir=f"runs/rl_steer_{task}")
+
+    return factory
+
+
+for _task in TASKS:
+    register(
+        f"rl_steer_{_task}", f"noise-space steering (DSRL) of a behaviour-cloned run on {_task} (--init-from RUN)"
+    )(_steer_factory(_task))
+
+
+@register("rl_steer_metaworld", "noise-space steering (DSRL) of a Meta-World run in Meta-World's environments")
+def rl_steer_metaworld() -> RLSteerMetaWorldConfig:
+    return RLSteerMetaWorldConfig(
+        name="rl_steer_metaworld",
+        workdir="runs/rl_steer_metaworld",
+        rl=RLConfig(num_envs=10, eval_envs=50, eval_every=5, iterations=1000),
     )
 
 

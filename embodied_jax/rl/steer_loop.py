@@ -1,0 +1,366 @@
+"""The noise-steering run (``rl/steering.py``): episodes with the steered policy, every decision into
+a replay buffer, SAC updates between decisions, held-out evaluations, checkpoints; resumable.
+
+One iteration is one batch of ``rl.num_envs`` episodes stepped together on the host (Meta-World's
+environments, or a JAX environment behind ``host_rollout.JaxHostEnvs``). Each decision the actor
+picks the initial noise of every row, the frozen policy denoises it into a chunk and ``execute_steps``
+of it are executed; the transition (actor and critic inputs, noise, reward, whether success ended
+the episode, the next decision's inputs) enters the buffer and ``updates_per_decision`` SAC steps
+follow once the buffer holds ``warmup`` transitions. The reward is the episode's success (1 when
+it first succeeds) plus ``rl.shaping`` times the task's dense reward; success ends an episode
+(terminal), the step limit only truncates it (the value bootstraps).
+
+Held-out evaluations (``rl.eval_envs`` episodes per task on ``rl.eval_seed``): for Meta-World the
+project's evaluation by LeRobot's protocol, with the policy as deployed (random noise) at the start
+and the steered policy (the actor's mean noise, ``steer.deterministic_eval``) after; for a JAX
+environment the same two policies in host-stepped episodes from the seed's reset keys. Checkpoints
+(``<workdir>/steer_state/<iteration>``: the actor, critics, optimiser states and counters; the
+replay buffer in ``<workdir>/replay.npz``) every ``rl.checkpoint_every`` iterations, at the end and
+on SIGTERM; a resumed run continues from the latest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import pathlib
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from embodied_jax.rl import host_rollout
+from embodied_jax.rl.loop import MetaWorldHeldOut, RLResult, held_out_row
+from embodied_jax.rl.replay import ReplayBuffer
+from embodied_jax.rl.rollout import decisions_per_episode
+from embodied_jax.rl.start import Start, start
+from embodied_jax.rl.steering import SteerNetworks, SteerSettings, make_update, steered_chunk
+from embodied_jax.train.loop import Preempted, SignalFlag
+from embodied_jax.train.metrics import MetricsWriter
+from embodied_jax.train.run_lock import RunLock
+
+log = logging.getLogger(__name__)
+STATE_DIR = "steer_state"
+REPLAY = "replay.npz"
+
+
+class Steerer:
+    """The frozen policy with the actor in front: ``decide`` for the simulator's observations
+    (the rollout), ``predict`` for the evaluation's raw batches (Meta-World)."""
+
+    def __init__(self, st: Start, nets: SteerNetworks):
+        self.st, self.nets = st, nets
+        agent = st.agent
+
+        def decide(policy_params, actor, obs, key, deterministic):
+            model = agent.merge(policy_params)
+            model_obs = agent.observe(obs)
+            chunk, actor_in, noise = steered_chunk(
+                model, nets, actor, model_obs, obs["state"], key, deterministic, num_steps=agent.num_steps
+            )
+            return agent.act(chunk, obs["state"]), actor_in, noise
+
+        def base(policy_params, obs, key):  # the policy as deployed: the initial noise N(0, 1)
+            model = agent.merge(policy_params)
+            chunk = model.sample_actions(agent.observe(obs), key, num_steps=agent.num_steps)
+            return agent.act(chunk, obs["state"])
+
+        def chunk_for(policy_params, actor, model_obs, state, key):
+            model = agent.merge(policy_params)
+            return steered_chunk(model, nets, actor, model_obs, state, key, True, num_steps=agent.num_steps)[0]
+
+        self.decide = jax.jit(decide, static_argnums=4)
+        self.base = jax.jit(base)
+        self._chunk_for = jax.jit(chunk_for)
+
+    def predict(self, policy_params, actor, raw: dict[str, Any], key) -> np.ndarray:
+        """Robot actions [B, H, A] for a raw observation batch (the bundle's pre- and postprocessing)."""
+        bundle = self.st.bundle
+        obs = jax.tree.map(jnp.asarray, bundle.preprocess(raw))
+        state = np.asarray(raw[bundle.inputs.state_key], np.float32)
+        chunk = self._chunk_for(policy_params, actor, obs, jnp.asarray(state), key)
+        return bundle.postprocess(np.asarray(chunk), state)
+
+
+def host_episodes(env, act, key, decisions: int, k: int) -> tuple[np.ndarray, int]:
+    """One batch of host-stepped episodes with ``act(obs, decision) -> actions [B, H, A]``: (success
+    [B], env steps)."""
+    n = env.num_envs
+    env.reset(key, np.arange(n))
+    for r in range(decisions):
+        if env.done.all():
+            break
+        obs = env.observe()
+        obs["time_step"] = np.full((n,), r * k, np.int32)
+        actions = np.asarray(act(obs, r))
+        for j in range(k):
+            env.step(actions[:, j])
+    return env.success.copy(), int(np.sum(env.steps))
+
+
+class HostHeldOut:
+    """A JAX environment's held-out episodes, host-stepped from the evaluation seed's reset keys:
+    the base policy (random noise) and the steered one on the same initial states."""
+
+    def __init__(self, st: Start, steerer: Steerer, episodes: int, seed: int, decisions: int, k: int):
+        self.env = host_rollout.JaxHostEnvs(st.env, episodes)
+        self.steerer, self.seed, self.decisions, self.k = steerer, seed, decisions, k
+
+    def __call__(self, policy_params, actor=None, deterministic=True) -> dict[str, Any]:
+        key = jax.random.key(self.seed)
+        k_reset, k_policy = jax.random.split(key)
+
+        def act(obs, r):
+            kr = jax.random.fold_in(k_policy, r)
+            if actor is None:
+                return self.steerer.base(policy_params, obs, kr)
+            return self.steerer.decide(policy_params, actor, obs, kr, deterministic)[0]
+
+        success, _ = host_episodes(self.env, act, k_reset, self.decisions, self.k)
+        return {"success_rate": float(success.mean()), "episodes": len(success)}
+
+
+class MetaWorldSteeredHeldOut:
+    """Meta-World's held-out evaluation (``rl.loop.MetaWorldHeldOut``'s settings): the policy as
+    deployed without an actor, the steered policy with one."""
+
+    def __init__(self, st: Start, steerer: Steerer, config, k: int):
+        self.plain = MetaWorldHeldOut(st, config, k)
+        self.steerer = steerer
+
+    def __call__(self, policy_params, actor=None, deterministic=True) -> dict[str, Any]:
+        if actor is None:
+            return self.plain(policy_params)
+
+        def policy(batch, call_seed):
+            return self.steerer.predict(policy_params, actor, batch, jax.random.key(call_seed))
+
+        return self.plain.evaluate(policy, self.plain.tasks, self.plain.settings)
+
+
+def _counters(c: dict) -> dict:
+    return {
+        "iteration": np.asarray(c["iteration"], np.int32),
+        "env_steps": np.asarray(c["env_steps"], np.int64),
+        "updates": np.asarray(c["updates"], np.int64),
+        "elapsed_s": np.asarray(c["elapsed_s"], np.float32),
+        "start_success": np.asarray(c["start_success"], np.float32),
+        "below_start": np.asarray(c["below_start"], np.int32),
+    }
+
+
+def train(config, devices: list | None = None) -> RLResult:
+    """``config``: an ``RLExperimentConfig`` with a ``steer: SteerSettings`` field."""
+    rl, settings = config.rl, config.steer
+    workdir = pathlib.Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    devices = list(devices or jax.local_devices())
+    with contextlib.ExitStack() as cleanup:
+        lock = cleanup.enter_context(RunLock(workdir))
+        stop = cleanup.enter_context(SignalFlag())
+        st = start(config, devices)
+        env = st.env if st.host_stepped else host_rollout.JaxHostEnvs(st.env, rl.num_envs)
+        if st.host_stepped:
+            cleanup.callback(env.close)
+        k = st.execute_steps
+        decisions = decisions_per_episode(env.episode_limit, k)
+        policy_params = jax.device_put(st.params, devices[0])
+
+        env.reset(jax.random.key(0), np.arange(env.num_envs))
+        example = env.observe()
+        example["time_step"] = np.zeros((env.num_envs,), np.int32)
+        def shapes(p, o):
+            model, model_obs = st.agent.merge(p), st.agent.observe(o)
+            return model.action_features(model_obs), model.sample_actions(model_obs, jax.random.key(0))
+
+        features, chunk = jax.eval_shape(shapes, policy_params, example)
+        noise_dim = int(features.shape[-1])  # the velocity at t = 1 has the initial noise's shape
+        noise_shape = (int(chunk.shape[1]), noise_dim // int(chunk.shape[1]))
+        actor_dim = int(np.asarray(example["state"]).shape[-1]) + noise_dim
+        critic_dim = actor_dim + int(env.privileged_state().shape[-1])
+        nets, params = SteerNetworks.init(actor_dim, critic_dim, noise_shape, settings, rl.seed)
+        update, init_opt = make_update(nets, settings, rl.gamma)
+        opt_state = init_opt(params)
+        steerer = Steerer(st, nets)
+
+        manager = ocp.CheckpointManager(
+            workdir.absolute() / STATE_DIR,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=rl.keep_last, create=True, enable_async_checkpointing=False
+            ),
+        )
+        cleanup.callback(manager.close)
+        counters = {
+            "iteration": 0,
+            "env_steps": 0,
+            "updates": 0,
+            "elapsed_s": 0.0,
+            "start_success": -1.0,
+            "below_start": 0,
+        }
+        buffer = ReplayBuffer(settings.buffer)
+        latest = manager.latest_step()
+        if latest is not None:
+            template = {"params": params, "opt": opt_state, "counters": _counters(counters)}
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), template)
+            restored = manager.restore(latest, args=ocp.args.StandardRestore(target))
+            params, opt_state = restored["params"], restored["opt"]
+            counters = {k_: v.item() for k_, v in restored["counters"].items()}
+            if (workdir / REPLAY).exists():
+                buffer = ReplayBuffer.load(workdir / REPLAY)
+            log.info("resumed %s at iteration %d (%d transitions)", workdir, counters["iteration"], len(buffer))
+        (workdir / "steer_config.json").write_text(
+            json.dumps({"rl": dataclasses.asdict(rl), "steer": dataclasses.asdict(settings)}, indent=1)
+        )
+        metrics = MetricsWriter(
+            dataclasses.replace(config.metrics, progress_bar=False),
+            workdir,
+            rl.iterations,
+            counters["iteration"],
+            resumed_from=latest,
+        )
+        cleanup.callback(metrics.close)
+
+        held_out = None
+        if rl.eval_envs:
+            if st.host_stepped:
+                held_out = MetaWorldSteeredHeldOut(st, steerer, config, k)
+            else:
+                held_out = HostHeldOut(st, steerer, rl.eval_envs, rl.eval_seed, decisions, k)
+        if held_out is not None and rl.eval_every and counters["start_success"] < 0:
+            base = held_out(policy_params)
+            steered = held_out(policy_params, params.actor, settings.deterministic_eval)
+            counters["start_success"] = steered["success_rate"]
+            row = held_out_row(rl.task, steered)
+            row.update({f"base/{k_}": v for k_, v in held_out_row(rl.task, base).items()})
+            metrics.write(0, row)
+
+        rng = np.random.default_rng([rl.seed, counters["iteration"]])
+        began, base_elapsed = time.monotonic(), counters["elapsed_s"]
+        final = stopped = None
+        it = counters["iteration"]
+        watch = held_out is not None and rl.eval_every > 0 and rl.stop_below_start > 0
+        while it < rl.iterations:
+            key = jax.random.fold_in(jax.random.key(rl.seed), it)
+            k_reset, k_policy, k_update = jax.random.split(key, 3)
+            t_start = time.perf_counter()
+            update_s, update_rows, noise_abs = 0.0, [], []
+            n = env.num_envs
+            env.reset(k_reset, np.arange(n))
+            ret = np.zeros(n, np.float32)
+            previous = None  # the last decision's transitions, completed by the next observation
+            for r in range(decisions + 1):
+                obs = env.observe()
+                obs["time_step"] = np.full((n,), r * k, np.int32)
+                ending = r == decisions or env.done.all()
+                actions, actor_in, noise = steerer.decide(
+                    policy_params, params.actor, obs, jax.random.fold_in(k_policy, r), False
+                )
+                actor_in = np.asarray(actor_in)
+                critic_in = np.concatenate([actor_in, env.privileged_state()], -1)
+                if previous is not None:
+                    buffer.add(_transitions(previous, actor_in, critic_in))
+                if ending:  # this observation only completed the last transitions
+                    break
+                running, had_success = ~env.done, env.success.copy()
+                actions = np.asarray(actions)
+                dense = np.zeros(n, np.float32)
+                for j in range(k):
+                    dense += env.step(actions[:, j])
+                reward = ((env.success & ~had_success).astype(np.float32) + rl.shaping * dense) * running
+                ret += reward
+                noise_abs.append(float(np.abs(np.asarray(noise))[running].mean()))
+                # success ends an episode (no bootstrap); the step limit only truncates it
+                previous = (
+                    np.flatnonzero(running),
+                    actor_in,
+                    critic_in,
+                    np.asarray(noise),
+                    reward,
+                    env.success & running,
+                )
+                if len(buffer) >= max(settings.warmup, settings.batch_size):
+                    t0 = time.perf_counter()
+                    batches = buffer.sample(rng, (settings.updates_per_decision, settings.batch_size))
+                    params, opt_state, m = update(
+                        params, opt_state, jax.tree.map(jnp.asarray, batches), jax.random.fold_in(k_update, r)
+                    )
+                    update_rows.append({k_: float(v) for k_, v in m.items()})
+                    counters["updates"] += settings.updates_per_decision
+                    update_s += time.perf_counter() - t0
+            success, env_steps = env.success.copy(), int(np.sum(env.steps))
+            t_total = time.perf_counter() - t_start
+            it += 1
+            counters["iteration"] = it
+            counters["env_steps"] += env_steps
+            counters["elapsed_s"] = base_elapsed + time.monotonic() - began
+            row = {
+                "success_rate": float(success.mean()),
+                "episode_return": float(ret.mean()),
+                "episodes": len(success),
+                "buffer": len(buffer),
+                "updates": counters["updates"],
+                "noise_abs_mean": float(np.mean(noise_abs)) if noise_abs else 0.0,
+                "rollout_s": t_total - update_s,
+                "update_s": update_s,
+                "env_steps_per_s": env_steps / max(t_total - update_s, 1e-9),
+                "env_steps": counters["env_steps"],
+            }
+            if update_rows:
+                row.update({k_: float(np.mean([u[k_] for u in update_rows])) for k_ in update_rows[0]})
+            over_time = rl.minutes is not None and counters["elapsed_s"] >= 60 * rl.minutes
+            last = it >= rl.iterations or over_time or stop.signum is not None
+            fell = False
+            if held_out is not None and (last or (rl.eval_every and it % rl.eval_every == 0)):
+                result = held_out(policy_params, params.actor, settings.deterministic_eval)
+                row.update(held_out_row(rl.task, result))
+                if watch:
+                    below = result["success_rate"] < counters["start_success"]
+                    counters["below_start"] = counters["below_start"] + 1 if below else 0
+                    fell = counters["below_start"] >= rl.stop_below_start
+                if last or fell:
+                    final = {**result, "iteration": it, "seed": rl.eval_seed}
+                    (workdir / "eval").mkdir(exist_ok=True)
+                    (workdir / "eval" / "results.json").write_text(json.dumps(final, indent=2))
+            metrics.write(it, row)
+            if last or fell or it % rl.checkpoint_every == 0:
+                lock.check()
+                buffer.save(workdir / REPLAY)
+                state = {"params": params, "opt": opt_state, "counters": _counters(counters)}
+                manager.save(it, args=ocp.args.StandardSave(state), force=True)
+                manager.wait_until_finished()
+            if stop.signum is not None:
+                raise Preempted(stop.signum or signal.SIGTERM, it)
+            if fell:
+                stopped = (
+                    f"held-out success fell below the start's {counters['start_success']:.1%} in "
+                    f"{rl.stop_below_start} evaluations in a row"
+                )
+                break
+            if over_time:
+                stopped = f"{rl.minutes} minutes (rl.minutes)"
+                break
+        return RLResult(workdir, it, metrics.history, final, stopped)
+
+
+def _transitions(previous, next_actor_in: np.ndarray, next_critic_in: np.ndarray) -> dict[str, np.ndarray]:
+    """The transitions of the rows that were running at the previous decision."""
+    rows, actor_in, critic_in, noise, reward, terminal = previous
+    return {
+        "actor_in": actor_in[rows],
+        "critic_in": critic_in[rows],
+        "noise": noise[rows],
+        "reward": reward[rows].astype(np.float32),
+        "terminal": terminal[rows].astype(np.float32),
+        "next_actor_in": next_actor_in[rows],
+        "next_critic_in": next_critic_in[rows],
+    }
+
+
+__all__ = ["SteerSettings", "Steerer", "host_episodes", "train"]
