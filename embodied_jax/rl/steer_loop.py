@@ -175,6 +175,7 @@ def train(config, devices: list | None = None) -> RLResult:
         env.reset(jax.random.key(0), np.arange(env.num_envs))
         example = env.observe()
         example["time_step"] = np.zeros((env.num_envs,), np.int32)
+
         def shapes(p, o):
             model, model_obs = st.agent.merge(p), st.agent.observe(o)
             return model.action_features(model_obs), model.sample_actions(model_obs, jax.random.key(0))
