@@ -32,6 +32,7 @@ _CONFIG_MODULES = (
     "embodied_jax.nn.lora",
     "embodied_jax.train.config",
     "embodied_jax.rl.config",
+    "embodied_jax.rl.steering",
     "embodied_jax.data.samples",
     "embodied_jax.data.transforms",
     "embodied_jax.data.packing",

@@ -164,3 +164,9 @@ def test_a_toy_steering_run_stores_privileged_critic_inputs_and_resumes(tmp_path
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # the start evaluated once, no iteration repeated
     assert len(ReplayBuffer.load(tmp_path / REPLAY)) > seen  # the buffer came back and grew
+
+    from experiments.benchmarks import rl_steer_eval
+
+    scored = rl_steer_eval.main([str(tmp_path), "--episodes", "16", "--seed", "1"])
+    assert scored["step"] == 3 and len(scored["policies"]) == 3
+    assert all(0.0 <= p["success_rate"] <= 1.0 and p["episodes"] == 16 for p in scored["policies"].values())

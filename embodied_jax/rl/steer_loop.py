@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from embodied_jax.config_registry import to_dict
 from embodied_jax.rl import host_rollout
 from embodied_jax.rl.loop import MetaWorldHeldOut, RLResult, held_out_row
 from embodied_jax.rl.replay import ReplayBuffer
@@ -48,6 +49,7 @@ from embodied_jax.train.run_lock import RunLock
 log = logging.getLogger(__name__)
 STATE_DIR = "steer_state"
 REPLAY = "replay.npz"
+CONFIG = "steer_config.json"  # the run's start, RL and steering settings (to_dict), for its evaluations
 
 
 class Steerer:
@@ -155,6 +157,80 @@ def _counters(c: dict) -> dict:
     }
 
 
+@dataclasses.dataclass
+class SteerSetup:
+    """What a steering run and its later evaluations share: the start, the environments, the
+    networks with their initial parameters, the steered policy and the episode's shape."""
+
+    st: Start
+    env: Any  # the rollout's host-stepped environments
+    nets: SteerNetworks
+    params: Any  # SteerParams, initial
+    steerer: Steerer
+    policy_params: Any  # the frozen policy's weights
+    execute_steps: int
+    decisions: int  # per episode
+
+
+def setup(config, devices: list) -> SteerSetup:
+    rl, settings = config.rl, config.steer
+    st = start(config, devices)
+    env = st.env if st.host_stepped else host_rollout.JaxHostEnvs(st.env, rl.num_envs)
+    k = st.execute_steps
+    policy_params = jax.device_put(st.params, devices[0])
+    env.reset(jax.random.key(0), np.arange(env.num_envs))
+    example = env.observe()
+    example["time_step"] = np.zeros((env.num_envs,), np.int32)
+
+    def shapes(p, o):
+        model, model_obs = st.agent.merge(p), st.agent.observe(o)
+        return model.action_features(model_obs), model.sample_actions(model_obs, jax.random.key(0))
+
+    features, chunk = jax.eval_shape(shapes, policy_params, example)
+    noise_dim = int(features.shape[-1])  # the velocity at t = 1 has the initial noise's shape
+    noise_shape = (int(chunk.shape[1]), noise_dim // int(chunk.shape[1]))
+    actor_dim = int(np.asarray(example["state"]).shape[-1]) + noise_dim
+    critic_dim = actor_dim + int(env.privileged_state().shape[-1])
+    nets, params = SteerNetworks.init(actor_dim, critic_dim, noise_shape, settings, rl.seed)
+    steerer = Steerer(st, nets)
+    return SteerSetup(st, env, nets, params, steerer, policy_params, k, decisions_per_episode(env.episode_limit, k))
+
+
+def held_out_evaluation(s: SteerSetup, config, seed: int, episodes: int):
+    """``evaluate(policy_params, actor=None, deterministic=True)`` on ``episodes`` per task of ``seed``."""
+    config = dataclasses.replace(config, rl=dataclasses.replace(config.rl, eval_seed=seed, eval_envs=episodes))
+    if s.st.host_stepped:
+        return MetaWorldSteeredHeldOut(s.st, s.steerer, config, s.execute_steps)
+    return HostHeldOut(s.st, s.steerer, episodes, seed, s.decisions, s.execute_steps)
+
+
+def _manager(workdir: pathlib.Path, keep: int) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(workdir.absolute() / STATE_DIR, options=options)
+
+
+def _restore(manager, latest: int, template: dict) -> dict:
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), template)
+    return dict(manager.restore(latest, args=ocp.args.StandardRestore(target)))
+
+
+def load_actor(workdir: str | pathlib.Path, s: SteerSetup, config, step: int | None = None):
+    """(the trained actor's parameters, its iteration) from a steering run's checkpoints."""
+    manager = _manager(pathlib.Path(workdir), config.rl.keep_last)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{workdir}: no steering checkpoint ({STATE_DIR}/)")
+        _, init_opt = make_update(s.nets, config.steer, config.rl.gamma)
+        template = {"params": s.params, "opt": init_opt(s.params), "counters": _counters(_COUNTERS)}
+        return _restore(manager, step, template)["params"].actor, step
+    finally:
+        manager.close()
+
+
+_COUNTERS = {"iteration": 0, "env_steps": 0, "updates": 0, "elapsed_s": 0.0, "start_success": -1.0, "below_start": 0}
+
+
 def train(config, devices: list | None = None) -> RLResult:
     """``config``: an ``RLExperimentConfig`` with a ``steer: SteerSettings`` field."""
     rl, settings = config.rl, config.steer
@@ -164,61 +240,30 @@ def train(config, devices: list | None = None) -> RLResult:
     with contextlib.ExitStack() as cleanup:
         lock = cleanup.enter_context(RunLock(workdir))
         stop = cleanup.enter_context(SignalFlag())
-        st = start(config, devices)
-        env = st.env if st.host_stepped else host_rollout.JaxHostEnvs(st.env, rl.num_envs)
+        s = setup(config, devices)
+        st, env, nets, params, steerer = s.st, s.env, s.nets, s.params, s.steerer
+        policy_params, k, decisions = s.policy_params, s.execute_steps, s.decisions
         if st.host_stepped:
             cleanup.callback(env.close)
-        k = st.execute_steps
-        decisions = decisions_per_episode(env.episode_limit, k)
-        policy_params = jax.device_put(st.params, devices[0])
-
-        env.reset(jax.random.key(0), np.arange(env.num_envs))
-        example = env.observe()
-        example["time_step"] = np.zeros((env.num_envs,), np.int32)
-
-        def shapes(p, o):
-            model, model_obs = st.agent.merge(p), st.agent.observe(o)
-            return model.action_features(model_obs), model.sample_actions(model_obs, jax.random.key(0))
-
-        features, chunk = jax.eval_shape(shapes, policy_params, example)
-        noise_dim = int(features.shape[-1])  # the velocity at t = 1 has the initial noise's shape
-        noise_shape = (int(chunk.shape[1]), noise_dim // int(chunk.shape[1]))
-        actor_dim = int(np.asarray(example["state"]).shape[-1]) + noise_dim
-        critic_dim = actor_dim + int(env.privileged_state().shape[-1])
-        nets, params = SteerNetworks.init(actor_dim, critic_dim, noise_shape, settings, rl.seed)
         update, init_opt = make_update(nets, settings, rl.gamma)
         opt_state = init_opt(params)
-        steerer = Steerer(st, nets)
 
-        manager = ocp.CheckpointManager(
-            workdir.absolute() / STATE_DIR,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=rl.keep_last, create=True, enable_async_checkpointing=False
-            ),
-        )
+        manager = _manager(workdir, rl.keep_last)
         cleanup.callback(manager.close)
-        counters = {
-            "iteration": 0,
-            "env_steps": 0,
-            "updates": 0,
-            "elapsed_s": 0.0,
-            "start_success": -1.0,
-            "below_start": 0,
-        }
+        counters = dict(_COUNTERS)
         buffer = ReplayBuffer(settings.buffer)
         latest = manager.latest_step()
         if latest is not None:
-            template = {"params": params, "opt": opt_state, "counters": _counters(counters)}
-            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), template)
-            restored = manager.restore(latest, args=ocp.args.StandardRestore(target))
+            restored = _restore(manager, latest, {"params": params, "opt": opt_state, "counters": _counters(counters)})
             params, opt_state = restored["params"], restored["opt"]
             counters = {k_: v.item() for k_, v in restored["counters"].items()}
             if (workdir / REPLAY).exists():
                 buffer = ReplayBuffer.load(workdir / REPLAY)
             log.info("resumed %s at iteration %d (%d transitions)", workdir, counters["iteration"], len(buffer))
-        (workdir / "steer_config.json").write_text(
-            json.dumps({"rl": dataclasses.asdict(rl), "steer": dataclasses.asdict(settings)}, indent=1)
-        )
+        saved = {"init_from": config.init_from, "rl": to_dict(rl), "steer": to_dict(settings)}
+        if config.init_from is None:  # the toy policy: its model is the experiment's own
+            saved["model"] = to_dict(config.model)
+        (workdir / CONFIG).write_text(json.dumps(saved, indent=1))
         metrics = MetricsWriter(
             dataclasses.replace(config.metrics, progress_bar=False),
             workdir,
@@ -228,12 +273,7 @@ def train(config, devices: list | None = None) -> RLResult:
         )
         cleanup.callback(metrics.close)
 
-        held_out = None
-        if rl.eval_envs:
-            if st.host_stepped:
-                held_out = MetaWorldSteeredHeldOut(st, steerer, config, k)
-            else:
-                held_out = HostHeldOut(st, steerer, rl.eval_envs, rl.eval_seed, decisions, k)
+        held_out = held_out_evaluation(s, config, rl.eval_seed, rl.eval_envs) if rl.eval_envs else None
         if held_out is not None and rl.eval_every and counters["start_success"] < 0:
             base = held_out(policy_params)
             steered = held_out(policy_params, params.actor, settings.deterministic_eval)
@@ -364,4 +404,13 @@ def _transitions(previous, next_actor_in: np.ndarray, next_critic_in: np.ndarray
     }
 
 
-__all__ = ["SteerSettings", "Steerer", "host_episodes", "train"]
+__all__ = [
+    "SteerSettings",
+    "SteerSetup",
+    "Steerer",
+    "held_out_evaluation",
+    "host_episodes",
+    "load_actor",
+    "setup",
+    "train",
+]

@@ -26,7 +26,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from embodied_jax.config_registry import register
 
+
+@register
 @dataclasses.dataclass(frozen=True)
 class SteerSettings:
     # |noise| <= bound per dimension (tanh-squashed); the deployed sampler's noise is N(0, 1).
