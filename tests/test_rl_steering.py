@@ -86,10 +86,31 @@ def test_sac_learns_the_best_noise_of_a_contextual_bandit():
             }
         )
         batches = jax.tree.map(jnp.asarray, buffer.sample(rng, (20, settings.batch_size)))
-        params, opt_state, metrics = update(params, opt_state, batches, jax.random.fold_in(key, 1000 + round_))
+        params, opt_state, metrics = update(
+            params, opt_state, batches, jax.random.fold_in(key, 1000 + round_), (-20.0, 0.0)
+        )
     best, _ = nets.actor_sample(params.actor, jnp.asarray([[1.0], [-1.0]]), key, deterministic=True)
     np.testing.assert_allclose(np.asarray(best), [[0.8, 0.8], [-0.8, -0.8]], atol=0.15)
     assert np.isfinite(float(metrics["critic_loss"]))
+
+
+def test_the_critics_targets_stay_within_the_returns_seen():
+    """An actor leading the critics out of the data cannot raise their targets past the value range."""
+    settings = SteerSettings(width=16, batch_size=8, critic_lr=1e-1)
+    nets, params = SteerNetworks.init(1, 1, (1, 1), settings, seed=0)
+    update, init_opt = make_update(nets, settings, gamma=0.99)
+    ones = jnp.ones((50, 8, 1))
+    batches = {
+        "actor_in": ones,
+        "critic_in": ones,
+        "noise": 0 * ones,
+        "reward": jnp.ones((50, 8)),  # a reward every step, never terminal: unbounded values, but the clip
+        "terminal": jnp.zeros((50, 8)),
+        "next_actor_in": ones,
+        "next_critic_in": ones,
+    }
+    _, _, metrics = update(params, init_opt(params), batches, jax.random.key(0), (0.0, 1.0))
+    assert float(metrics["target_mean"]) <= 1.0 + 1e-6
 
 
 def test_the_steered_chunk_is_the_frozen_policys_chunk_from_the_chosen_noise(tmp_path):

@@ -154,6 +154,8 @@ def _counters(c: dict) -> dict:
         "elapsed_s": np.asarray(c["elapsed_s"], np.float32),
         "start_success": np.asarray(c["start_success"], np.float32),
         "below_start": np.asarray(c["below_start"], np.int32),
+        "return_min": np.asarray(c["return_min"], np.float32),
+        "return_max": np.asarray(c["return_max"], np.float32),
     }
 
 
@@ -228,7 +230,17 @@ def load_actor(workdir: str | pathlib.Path, s: SteerSetup, config, step: int | N
         manager.close()
 
 
-_COUNTERS = {"iteration": 0, "env_steps": 0, "updates": 0, "elapsed_s": 0.0, "start_success": -1.0, "below_start": 0}
+_COUNTERS = {
+    "iteration": 0,
+    "env_steps": 0,
+    "updates": 0,
+    "elapsed_s": 0.0,
+    "start_success": -1.0,
+    "below_start": 0,
+    # the range of the episode returns seen so far (partial episodes' returns included): the critics' targets
+    "return_min": 0.0,
+    "return_max": 0.0,
+}
 
 
 def train(config, devices: list | None = None) -> RLResult:
@@ -316,6 +328,8 @@ def train(config, devices: list | None = None) -> RLResult:
                     dense += env.step(actions[:, j])
                 reward = ((env.success & ~had_success).astype(np.float32) + rl.shaping * dense) * running
                 ret += reward
+                counters["return_min"] = min(counters["return_min"], float(ret.min()))
+                counters["return_max"] = max(counters["return_max"], float(ret.max()))
                 noise_abs.append(float(np.abs(np.asarray(noise))[running].mean()))
                 # success ends an episode (no bootstrap); the step limit only truncates it
                 previous = (
@@ -329,8 +343,9 @@ def train(config, devices: list | None = None) -> RLResult:
                 if len(buffer) >= max(settings.warmup, settings.batch_size):
                     t0 = time.perf_counter()
                     batches = buffer.sample(rng, (settings.updates_per_decision, settings.batch_size))
+                    bounds = (min(0.0, counters["return_min"]), max(counters["return_max"], 1e-6))
                     params, opt_state, m = update(
-                        params, opt_state, jax.tree.map(jnp.asarray, batches), jax.random.fold_in(k_update, r)
+                        params, opt_state, jax.tree.map(jnp.asarray, batches), jax.random.fold_in(k_update, r), bounds
                     )
                     update_rows.append({k_: float(v) for k_, v in m.items()})
                     counters["updates"] += settings.updates_per_decision

@@ -173,9 +173,13 @@ def steered_chunk(
 def make_update(
     nets: SteerNetworks, settings: SteerSettings, gamma: float
 ) -> tuple[Callable, Callable[[SteerParams], Any]]:
-    """``(update, init_opt)``: ``update(params, opt_state, batches, key) -> (params, opt_state, metrics)``
-    runs one SAC step per leading row of ``batches`` (dict of [G, B, ...]: ``actor_in``, ``critic_in``,
-    ``noise``, ``reward``, ``terminal``, ``next_actor_in``, ``next_critic_in``)."""
+    """``(update, init_opt)``: ``update(params, opt_state, batches, key, value_range) -> (params,
+    opt_state, metrics)`` runs one SAC step per leading row of ``batches`` (dict of [G, B, ...]:
+    ``actor_in``, ``critic_in``, ``noise``, ``reward``, ``terminal``, ``next_actor_in``,
+    ``next_critic_in``). ``value_range`` ([2]: low, high) bounds the critics' targets: the run
+    passes the range of the episode returns it has seen (with rewards >= 0 no value lies outside
+    [0, the largest return]), which stops the critics from extrapolating upwards where the actor
+    leads them out of the data, SAC's overestimation on sparse rewards."""
     actor_opt = optax.adam(settings.actor_lr)
     critic_opt = optax.adam(settings.critic_lr)
     temp_opt = optax.adam(settings.actor_lr)
@@ -189,7 +193,7 @@ def make_update(
         )
 
     def step(carry, inputs):
-        params, opt_state = carry
+        params, opt_state, value_range = carry
         batch, key = inputs
         k_next, k_pi = jax.random.split(key)
         alpha = jnp.exp(params.log_temperature)
@@ -199,7 +203,7 @@ def make_update(
             nets.q(params.q2_target, batch["next_critic_in"], next_noise),
         )
         target = batch["reward"] + gamma * (1.0 - batch["terminal"]) * (next_q - alpha * next_logp)
-        target = jax.lax.stop_gradient(target)
+        target = jax.lax.stop_gradient(jnp.clip(target, value_range[0], value_range[1]))
 
         def critic_loss(qs):
             q1 = nets.q(qs[0], batch["critic_in"], batch["noise"])
@@ -240,12 +244,13 @@ def make_update(
             "q_mean": jnp.mean(q1),
             "target_mean": jnp.mean(target),
         }
-        return (new, (a_state, c_state, t_state)), metrics
+        return (new, (a_state, c_state, t_state), value_range), metrics
 
     @jax.jit
-    def update(params, opt_state, batches, key):
+    def update(params, opt_state, batches, key, value_range):
         g = batches["reward"].shape[0]
-        (params, opt_state), metrics = jax.lax.scan(step, (params, opt_state), (batches, jax.random.split(key, g)))
+        carry = (params, opt_state, jnp.asarray(value_range, jnp.float32))
+        (params, opt_state, _), metrics = jax.lax.scan(step, carry, (batches, jax.random.split(key, g)))
         return params, opt_state, jax.tree.map(jnp.mean, metrics)
 
     return update, init_opt
