@@ -284,3 +284,31 @@ def test_av1_encode_keeps_the_scheduling_policy(tmp_path):
     before = (os.sched_getscheduler(0), os.sched_getparam(0))
     encode_video(tmp_path / "v.mp4", [np.zeros((2, 16, 16, 3), np.uint8)], fps=10, codec="av1")
     assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before
+
+
+def test_frames_of_many_files_are_read_once_while_they_fit_the_cache(written, monkeypatch):
+    """Random frames across a dataset of several data files: each file's image column is read once
+    while the columns fit ``IMAGE_CACHE_BYTES``; under a budget of one column, each change of file reads."""
+    from embodied_jax.data import lerobot
+
+    root, episodes = written["v30_png"]  # two episodes per file: two files
+    reads = []
+    real = lerobot.read_parquet
+
+    def counting(path, columns=None, **kwargs):
+        if columns and any(c in CAMERAS for c in columns):
+            reads.append(path.name)
+        return real(path, columns, **kwargs)
+
+    monkeypatch.setattr(lerobot, "read_parquet", counting)
+    order = [0, 2, 1, 2, 0, 1, 2, 0]  # episodes 0-1 in the first file, 2 in the second
+    ds = LeRobotDataset(root)
+    for position in order:
+        decode_frame_id(ds.images(position, CAMERAS[0], [0])[0])
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == 2
+    reads.clear()
+    monkeypatch.setattr(lerobot, "IMAGE_CACHE_BYTES", 1)
+    ds = LeRobotDataset(root)
+    for position in order:
+        assert decode_frame_id(ds.images(position, CAMERAS[0], [1])[0]) == (position, 1, 0)
+    assert len(reads) == 7  # a read at every change of file (the last column kept whatever its size)
