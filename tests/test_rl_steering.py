@@ -83,6 +83,7 @@ def test_sac_learns_the_best_noise_of_a_contextual_bandit():
                 "terminal": np.ones(128, np.float32),
                 "next_actor_in": context,
                 "next_critic_in": context,
+                "return_to_go": reward,
             }
         )
         batches = jax.tree.map(jnp.asarray, buffer.sample(rng, (20, settings.batch_size)))
@@ -96,7 +97,7 @@ def test_sac_learns_the_best_noise_of_a_contextual_bandit():
 
 def test_the_critics_targets_stay_within_the_returns_seen():
     """An actor leading the critics out of the data cannot raise their targets past the value range."""
-    settings = SteerSettings(width=16, batch_size=8, critic_lr=1e-1)
+    settings = SteerSettings(width=16, batch_size=8, critic_lr=1e-1, critic_target="bootstrap")
     nets, params = SteerNetworks.init(1, 1, (1, 1), settings, seed=0)
     update, init_opt = make_update(nets, settings, gamma=0.99)
     ones = jnp.ones((50, 8, 1))
@@ -108,6 +109,7 @@ def test_the_critics_targets_stay_within_the_returns_seen():
         "terminal": jnp.zeros((50, 8)),
         "next_actor_in": ones,
         "next_critic_in": ones,
+        "return_to_go": jnp.ones((50, 8)),
     }
     _, _, metrics = update(params, init_opt(params), batches, jax.random.key(0), (0.0, 1.0))
     assert float(metrics["target_mean"]) <= 1.0 + 1e-6
@@ -178,6 +180,10 @@ def test_a_toy_steering_run_stores_privileged_critic_inputs_and_resumes(tmp_path
     assert critic_in.shape[1] == actor_in.shape[1] + privileged_width
     np.testing.assert_array_equal(critic_in[:, : actor_in.shape[1]], actor_in)
     assert np.all(np.abs(buffer.fields["noise"][: len(buffer)]) <= SteerSettings().noise_bound)
+    # each decision's return-to-go: its reward plus the discounted return-to-go of its episode's next decision
+    reward, to_go = buffer.fields["reward"][: len(buffer)], buffer.fields["return_to_go"][: len(buffer)]
+    assert np.all(to_go >= reward - 1e-6) and np.all(to_go <= 1.0 + 1e-6)
+    assert np.isclose(to_go.max(), 1.0, atol=1e-6) or reward.max() == 0.0
     seen = len(buffer)
 
     resumed = train(_toy_config(tmp_path, 3))
@@ -191,3 +197,17 @@ def test_a_toy_steering_run_stores_privileged_critic_inputs_and_resumes(tmp_path
     scored = rl_steer_eval.main([str(tmp_path), "--episodes", "16", "--seed", "1"])
     assert scored["step"] == 3 and len(scored["policies"]) == 3
     assert all(0.0 <= p["success_rate"] <= 1.0 and p["episodes"] == 16 for p in scored["policies"].values())
+
+
+def test_returns_to_go_follow_each_row_through_its_episode():
+    from embodied_jax.rl.steer_loop import _with_returns_to_go
+
+    def decision(rows, rewards):
+        return {"row": np.asarray(rows), "reward": np.asarray(rewards, np.float32)}
+
+    # row 0 succeeds at its third decision; row 1 stops after two (the step limit) without reward
+    batch = [decision([0, 1], [0, 0]), decision([0, 1], [0, 0]), decision([0], [1])]
+    out = _with_returns_to_go(batch, gamma=0.5)
+    for transitions, expected in zip(out, [[0.25, 0.0], [0.5, 0.0], [1.0]], strict=True):
+        np.testing.assert_allclose(transitions["return_to_go"], expected)
+    assert all("row" not in t for t in out)

@@ -308,6 +308,7 @@ def train(config, devices: list | None = None) -> RLResult:
             env.reset(k_reset, np.arange(n))
             ret = np.zeros(n, np.float32)
             previous = None  # the last decision's transitions, completed by the next observation
+            batch_transitions = []  # this batch's, kept until its episodes end (their returns-to-go)
             for r in range(decisions + 1):
                 obs = env.observe()
                 obs["time_step"] = np.full((n,), r * k, np.int32)
@@ -318,7 +319,7 @@ def train(config, devices: list | None = None) -> RLResult:
                 actor_in = np.asarray(actor_in)
                 critic_in = np.concatenate([actor_in, env.privileged_state()], -1)
                 if previous is not None:
-                    buffer.add(_transitions(previous, actor_in, critic_in))
+                    batch_transitions.append(_transitions(previous, actor_in, critic_in))
                 if ending:  # this observation only completed the last transitions
                     break
                 running, had_success = ~env.done, env.success.copy()
@@ -350,6 +351,8 @@ def train(config, devices: list | None = None) -> RLResult:
                     update_rows.append({k_: float(v) for k_, v in m.items()})
                     counters["updates"] += settings.updates_per_decision
                     update_s += time.perf_counter() - t0
+            for transitions in _with_returns_to_go(batch_transitions, rl.gamma):
+                buffer.add(transitions)
             success, env_steps = env.success.copy(), int(np.sum(env.steps))
             t_total = time.perf_counter() - t_start
             it += 1
@@ -405,10 +408,26 @@ def train(config, devices: list | None = None) -> RLResult:
         return RLResult(workdir, it, metrics.history, final, stopped)
 
 
+def _with_returns_to_go(batch: list[dict], gamma: float) -> list[dict]:
+    """Each decision's transitions with ``return_to_go``: its reward plus the discounted rewards of
+    the same episode's later decisions (an episode ends at success or at the step limit, so nothing
+    follows its last decision)."""
+    if not batch:
+        return batch
+    n = max(int(t["row"].max()) + 1 for t in batch if t["row"].size) if any(t["row"].size for t in batch) else 0
+    later = np.zeros(n, np.float32)
+    for transitions in reversed(batch):
+        rows = transitions.pop("row")
+        later[rows] = transitions["reward"] + gamma * later[rows]
+        transitions["return_to_go"] = later[rows].copy()
+    return batch
+
+
 def _transitions(previous, next_actor_in: np.ndarray, next_critic_in: np.ndarray) -> dict[str, np.ndarray]:
-    """The transitions of the rows that were running at the previous decision."""
+    """The transitions of the rows that were running at the previous decision (``row``: their rows)."""
     rows, actor_in, critic_in, noise, reward, terminal = previous
     return {
+        "row": rows,
         "actor_in": actor_in[rows],
         "critic_in": critic_in[rows],
         "noise": noise[rows],

@@ -48,6 +48,11 @@ class SteerSettings:
     init_temperature: float = 0.001
     # The entropy target per noise dimension (SAC's default: -1 per dimension).
     target_entropy_per_dim: float = -1.0
+    # What the critics regress on: "return_to_go", each decision's own episode's discounted return (the
+    # value of the policies that collected the buffer; no bootstrap, nothing to overestimate), or
+    # "bootstrap", SAC's target from the next decision's critics and actor. On Meta-World push the
+    # bootstrapped critics rose to the value bound everywhere within 2000 updates (docs/rl.md).
+    critic_target: str = "return_to_go"
     # The held-out evaluation samples the actor's mean (True, DSRL's deployment) or its distribution.
     deterministic_eval: bool = True
 
@@ -58,6 +63,10 @@ class SteerSettings:
         for name in ("width", "batch_size", "updates_per_decision", "buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SteerSettings.{name} must be >= 1, got {getattr(self, name)}")
+        if self.critic_target not in ("return_to_go", "bootstrap"):
+            raise ValueError(
+                f"SteerSettings.critic_target must be 'return_to_go' or 'bootstrap', got {self.critic_target!r}"
+            )
         if self.warmup < 0 or self.warmup > self.buffer:
             raise ValueError(f"SteerSettings.warmup={self.warmup} must lie in [0, buffer={self.buffer}]")
 
@@ -176,10 +185,11 @@ def make_update(
     """``(update, init_opt)``: ``update(params, opt_state, batches, key, value_range) -> (params,
     opt_state, metrics)`` runs one SAC step per leading row of ``batches`` (dict of [G, B, ...]:
     ``actor_in``, ``critic_in``, ``noise``, ``reward``, ``terminal``, ``next_actor_in``,
-    ``next_critic_in``). ``value_range`` ([2]: low, high) bounds the critics' targets: the run
-    passes the range of the episode returns it has seen (with rewards >= 0 no value lies outside
-    [0, the largest return]), which stops the critics from extrapolating upwards where the actor
-    leads them out of the data, SAC's overestimation on sparse rewards."""
+    ``next_critic_in``, ``return_to_go``; the critics regress on ``settings.critic_target``).
+    ``value_range`` ([2]: low, high) bounds the critics' targets: the run passes the range of the
+    episode returns it has seen (with rewards >= 0 no value lies outside [0, the largest return]),
+    which keeps bootstrapped critics from extrapolating upwards where the actor leads them out of
+    the data, SAC's overestimation on sparse rewards."""
     actor_opt = optax.adam(settings.actor_lr)
     critic_opt = optax.adam(settings.critic_lr)
     temp_opt = optax.adam(settings.actor_lr)
@@ -203,6 +213,8 @@ def make_update(
             nets.q(params.q2_target, batch["next_critic_in"], next_noise),
         )
         target = batch["reward"] + gamma * (1.0 - batch["terminal"]) * (next_q - alpha * next_logp)
+        if settings.critic_target == "return_to_go":
+            target = batch["return_to_go"]
         target = jax.lax.stop_gradient(jnp.clip(target, value_range[0], value_range[1]))
 
         def critic_loss(qs):
