@@ -58,11 +58,20 @@ def test_actor_log_density_matches_the_squashed_gaussian_computed_in_numpy():
         -0.5 * ((u - mean) / std) ** 2 - np.log(std) - 0.5 * np.log(2 * np.pi) - np.log(1.5 * (1 - np.tanh(u) ** 2))
     )
     np.testing.assert_allclose(float(logp[0]), expected, rtol=1e-4, atol=1e-4)
+    # the prior's KL: zero for the untrained actor, the Gaussians' KL in NumPy otherwise
+    np.testing.assert_allclose(np.asarray(nets.prior_kl(params.actor, x)), 0.0, atol=1e-6)
+    shifted = jax.tree.map(lambda a: a + 0.1, params.actor)
+    mean, log_std = (np.asarray(a, np.float64) for a in nets.actor_dist(shifted, x))
+    s0, s1 = np.exp(nets.log_std0), np.exp(log_std)
+    kl = np.sum(np.log(s0 / s1) + (s1**2 + mean**2) / (2 * s0**2) - 0.5)
+    np.testing.assert_allclose(float(nets.prior_kl(shifted, x)[0]), kl, rtol=1e-4)
 
 
 def test_sac_learns_the_best_noise_of_a_contextual_bandit():
     """One-step episodes: the reward is highest at noise 0.8 * context; the actor's mean gets there."""
-    settings = SteerSettings(width=64, batch_size=128, actor_lr=3e-3, critic_lr=3e-3, init_temperature=0.01)
+    settings = SteerSettings(
+        width=64, batch_size=128, actor_lr=3e-3, critic_lr=3e-3, init_temperature=0.01, prior_weight=0.0
+    )
     nets, params = SteerNetworks.init(1, 1, (1, 2), settings, seed=0)
     update, init_opt = make_update(nets, settings, gamma=0.99)
     opt_state = init_opt(params)

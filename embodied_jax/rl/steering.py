@@ -48,6 +48,11 @@ class SteerSettings:
     init_temperature: float = 0.001
     # The entropy target per noise dimension (SAC's default: -1 per dimension).
     target_entropy_per_dim: float = -1.0
+    # Weight of the KL divergence of the actor's (pre-squash) Gaussian from the one the untrained actor
+    # starts as (the deployed sampler's noise): a noise far from it costs more than its value gains
+    # unless the critics are sure. At 0 the actor's entropy fell from 42 to -38 nats within 1000 updates,
+    # its noise drifted outwards (mean |noise| 0.86 -> 1.26) and push's rollouts fell from 30% to 0%.
+    prior_weight: float = 0.01
     # What the critics regress on: "return_to_go", each decision's own episode's discounted return (the
     # value of the policies that collected the buffer; no bootstrap, nothing to overestimate), or
     # "bootstrap", SAC's target from the next decision's critics and actor. On Meta-World push the
@@ -63,6 +68,8 @@ class SteerSettings:
         for name in ("width", "batch_size", "updates_per_decision", "buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SteerSettings.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prior_weight < 0:
+            raise ValueError(f"SteerSettings.prior_weight must be >= 0, got {self.prior_weight}")
         if self.critic_target not in ("return_to_go", "bootstrap"):
             raise ValueError(
                 f"SteerSettings.critic_target must be 'return_to_go' or 'bootstrap', got {self.critic_target!r}"
@@ -160,6 +167,12 @@ class SteerNetworks:
         jac = jnp.log(self.bound) + 2.0 * (jnp.log(2.0) - u - jax.nn.softplus(-2.0 * u))
         return self.bound * jnp.tanh(u), jnp.sum(gauss - jac, axis=-1)
 
+    def prior_kl(self, actor, actor_in):
+        """[B]: KL of the actor's pre-squash Gaussian from the untrained actor's, N(0, exp(log_std0)^2)."""
+        mean, log_std = self.actor_dist(actor, actor_in)
+        ratio = jnp.exp(2 * (log_std - self.log_std0))
+        return 0.5 * jnp.sum(ratio + mean**2 * jnp.exp(-2 * self.log_std0) - 1.0 - 2 * (log_std - self.log_std0), -1)
+
     def q(self, q_params, critic_in, noise):
         net = nnx.merge(self.critic_graph, q_params, copy=True)
         return net(jnp.concatenate([critic_in, noise], axis=-1))[:, 0]
@@ -229,7 +242,7 @@ def make_update(
         def actor_loss(actor):
             noise, logp = nets.actor_sample(actor, batch["actor_in"], k_pi)
             q = jnp.minimum(nets.q(q1_new, batch["critic_in"], noise), nets.q(q2_new, batch["critic_in"], noise))
-            return jnp.mean(alpha * logp - q), logp
+            return jnp.mean(alpha * logp - q + settings.prior_weight * nets.prior_kl(actor, batch["actor_in"])), logp
 
         (a_loss, logp), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(params.actor)
         a_updates, a_state = actor_opt.update(a_grads, opt_state[0], params.actor)
