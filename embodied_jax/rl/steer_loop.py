@@ -4,11 +4,12 @@ a replay buffer, SAC updates between decisions, held-out evaluations, checkpoint
 One iteration is one batch of ``rl.num_envs`` episodes stepped together on the host (Meta-World's
 environments, or a JAX environment behind ``host_rollout.JaxHostEnvs``). Each decision the actor
 picks the initial noise of every row, the frozen policy denoises it into a chunk and ``execute_steps``
-of it are executed; the transition (actor and critic inputs, noise, reward, whether success ended
-the episode, the next decision's inputs) enters the buffer and ``updates_per_decision`` SAC steps
-follow once the buffer holds ``warmup`` transitions. The reward is the episode's success (1 when
-it first succeeds) plus ``rl.shaping`` times the task's dense reward; success ends an episode
-(terminal), the step limit only truncates it (the value bootstraps).
+of it are executed; ``updates_per_decision`` SAC steps follow once the buffer holds ``warmup``
+transitions. When the batch's episodes end, its transitions (actor and critic inputs, noise,
+reward, whether success ended the episode, the next decision's inputs and the return-to-go) enter
+the buffer. The reward is the episode's success (1 when it first succeeds) plus ``rl.shaping``
+times the task's dense reward; success ends an episode (terminal), the step limit only truncates
+it (a bootstrapped critic, ``steer.critic_target``, takes the next decision's value there).
 
 Held-out evaluations (``rl.eval_envs`` episodes per task on ``rl.eval_seed``): for Meta-World the
 project's evaluation by LeRobot's protocol, with the policy as deployed (random noise) at the start
@@ -175,6 +176,7 @@ class SteerSetup:
 
 
 def setup(config, devices: list) -> SteerSetup:
+    """The run's start (``rl/start.py``), environments and networks sized by one observation."""
     rl, settings = config.rl, config.steer
     st = start(config, devices)
     env = st.env if st.host_stepped else host_rollout.JaxHostEnvs(st.env, rl.num_envs)
