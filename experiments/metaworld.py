@@ -125,6 +125,14 @@ def evaluation_for_frames(evaluation: MetaWorldEvaluation, size: tuple[int, int]
     return dataclasses.replace(evaluation, image_size=tuple(size), render_style=style)
 
 
+def run_evaluation(config: MetaWorldConfig, dataset: pathlib.Path) -> MetaWorldEvaluation:
+    """The run's evaluations: its tasks and prompts, rendered at the size of the frames it trains on
+    (a collected dataset's frames are rendered at ``--data.pipeline.image-size``, which the
+    evaluation's own default of 64 px would not match)."""
+    evaluation = dataclasses.replace(config.evaluation, tasks=config.tasks, prompts=config.prompts)
+    return evaluation_for_frames(evaluation, dataset_image_size(dataset))
+
+
 def build_prompt_tokenizer(config: MetaWorldConfig, workdir: pathlib.Path) -> pathlib.Path:
     """The family's word-level tokenizer over both prompt sets' words: an evaluation may use the
     prompts the policy never trained on."""
@@ -183,9 +191,7 @@ def run_metaworld(config: MetaWorldConfig) -> int:
     collection_s = time.perf_counter() - t0
     print(f"      collection: {collection_s / 60:.1f} min", flush=True)
     tokenizer = build_prompt_tokenizer(config, workdir)
-    evaluation = dataclasses.replace(config.evaluation, tasks=config.tasks, prompts=config.prompts)
-    if config.dataset:
-        evaluation = evaluation_for_frames(evaluation, dataset_image_size(dataset))
+    evaluation = run_evaluation(config, dataset)
     config = dataclasses.replace(
         config,
         workdir=str(workdir),

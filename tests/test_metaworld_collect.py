@@ -165,3 +165,19 @@ def test_a_run_on_the_hubs_480_px_frames_is_evaluated_on_lerobots_frames(collect
     assert hub.image_size == (480, 480) and hub.render_style == "lerobot"
     assert evaluation_for_frames(evaluation, tuple(evaluation.image_size)) is evaluation
     assert evaluation_for_frames(evaluation, (96, 96)).render_style == evaluation.render_style == "fast"
+
+
+def test_a_run_collected_at_another_size_is_evaluated_at_that_size(collected):
+    """Frames collected at --data.pipeline.image-size (here the fixture's) are what the run's
+    evaluations render, whatever the evaluation's own default (64 px): a 128 px run failed at its
+    first in-training evaluation with 64 px frames."""
+    import dataclasses
+
+    from experiments.metaworld import metaworld_mt50, run_evaluation
+
+    config = metaworld_mt50()
+    config = dataclasses.replace(
+        config, evaluation=dataclasses.replace(config.evaluation, image_size=(2 * SIZE, 2 * SIZE))
+    )
+    evaluation = run_evaluation(config, collected.root)
+    assert tuple(evaluation.image_size) == (SIZE, SIZE) and evaluation.tasks == config.tasks
