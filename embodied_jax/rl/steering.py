@@ -38,7 +38,7 @@ class SteerSettings:
     actor_lr: float = 3e-4
     critic_lr: float = 3e-4
     batch_size: int = 256
-    updates_per_decision: int = 4  # SAC steps per batched decision (num_envs transitions)
+    updates_per_decision: int = 8  # SAC steps per batched decision (num_envs transitions); push ran at 8
     warmup: int = 1000  # transitions in the buffer before the first update
     buffer: int = 200_000  # transitions kept
     tau: float = 0.005  # target critics' Polyak rate
