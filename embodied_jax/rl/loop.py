@@ -177,6 +177,44 @@ def held_out_row(task: str, result: dict[str, Any]) -> dict[str, float]:
     return row
 
 
+def evaluate_when_due(rl, it: int, last: bool, evaluate, counters: dict, watch: bool, workdir: pathlib.Path, row: dict):
+    """The held-out evaluation of iteration ``it`` when it is due (every ``rl.eval_every`` iterations
+    and at the last; ``evaluate(last) -> result``, None: no evaluation), its metrics added to ``row``
+    and, with ``watch``, the stop rule (``counters["below_start"]``). Returns (fell, final): whether
+    the run fell below its start ``rl.stop_below_start`` times in a row, and the result written to
+    ``<workdir>/eval/results.json`` when this evaluation is the run's last (else None)."""
+    if evaluate is None or not (last or (rl.eval_every and it % rl.eval_every == 0)):
+        return False, None
+    result = evaluate(last)
+    row.update(held_out_row(rl.task, result))
+    fell = False
+    if watch:
+        below = result["success_rate"] < counters["start_success"]
+        counters["below_start"] = counters["below_start"] + 1 if below else 0
+        fell = counters["below_start"] >= rl.stop_below_start
+    if not (last or fell):
+        return fell, None
+    final = {**result, "iteration": it, "seed": rl.eval_seed}
+    (workdir / "eval").mkdir(exist_ok=True)
+    (workdir / "eval" / "results.json").write_text(json.dumps(final, indent=2))
+    return fell, final
+
+
+def stop_reason(rl, it: int, counters: dict, fell: bool, over_time: bool) -> str | None:
+    """Why the run ends after iteration ``it`` before ``rl.iterations`` (logged), or None."""
+    if fell:
+        reason = (
+            f"held-out success fell below the start's {counters['start_success']:.1%} in "
+            f"{rl.stop_below_start} evaluations in a row"
+        )
+        log.warning("stopping at iteration %d: %s", it, reason)
+        return reason
+    if over_time:
+        log.info("stopping after %.1f minutes (rl.minutes)", counters["elapsed_s"] / 60)
+        return f"{rl.minutes} minutes (rl.minutes)"
+    return None
+
+
 def held_out_evaluation(st: Start, config: RLExperimentConfig, execute_steps: int):
     """``evaluate(params, out_dir=None) -> {"success_rate", ...}`` of the policy as deployed on the
     held-out seed, or None (the toy policy, or ``rl.eval_envs`` 0)."""
@@ -356,39 +394,27 @@ def train(config: RLExperimentConfig, devices: list | None = None) -> RLResult:
             )
             over_time = rl.minutes is not None and counters["elapsed_s"] >= 60 * rl.minutes
             last = it >= rl.iterations or over_time or stop.signum is not None
-            fell = False
-            if held_out is not None and (last or (rl.eval_every and it % rl.eval_every == 0)):
-                result = held_out(Scope.combine(params, fixed), workdir / "eval" if last else None)
-                if last:
-                    final = {**result, "iteration": it, "seed": rl.eval_seed}
-                    (workdir / "eval").mkdir(exist_ok=True)
-                    (workdir / "eval" / "results.json").write_text(json.dumps(final, indent=2))
-                row.update(held_out_row(rl.task, result))
-                if watch:
-                    below = result["success_rate"] < counters["start_success"]
-                    counters["below_start"] = counters["below_start"] + 1 if below else 0
-                    fell = counters["below_start"] >= rl.stop_below_start
-            if fell and not last:  # this evaluation is the final one
-                final = {**result, "iteration": it, "seed": rl.eval_seed}
-                (workdir / "eval").mkdir(exist_ok=True)
-                (workdir / "eval" / "results.json").write_text(json.dumps(final, indent=2))
+            trained = Scope.combine(params, fixed)
+            fell, due = evaluate_when_due(
+                rl,
+                it,
+                last,
+                held_out and (lambda end, w=trained: held_out(w, workdir / "eval" if end else None)),
+                counters,
+                watch,
+                workdir,
+                row,
+            )
+            final = due or final
             metrics.write(it, row)
             if last or fell or it % rl.checkpoint_every == 0:
                 lock.check()
                 rest = {"critic": critic_params, "opt": opt_states, "counters": _counters_array(counters)}
-                ckpt.save(it, st, Scope.combine(params, fixed), rest, demo_iterator)
+                ckpt.save(it, st, trained, rest, demo_iterator)
             if stop.signum is not None:
                 raise Preempted(stop.signum or signal.SIGTERM, it)
-            if fell:
-                stopped = (
-                    f"held-out success fell below the start's {counters['start_success']:.1%} in "
-                    f"{rl.stop_below_start} evaluations in a row"
-                )
-                log.warning("stopping at iteration %d: %s", it, stopped)
-                break
-            if over_time:
-                stopped = f"{rl.minutes} minutes (rl.minutes)"
-                log.info("stopping after %.1f minutes (rl.minutes)", counters["elapsed_s"] / 60)
+            stopped = stop_reason(rl, it, counters, fell, over_time)
+            if stopped:
                 break
         return RLResult(workdir, it, metrics.history, final, stopped)
 

@@ -11,7 +11,7 @@ the buffer. The reward is the episode's success (1 when it first succeeds) plus 
 times the task's dense reward; success ends an episode (terminal), the step limit only truncates
 it (a bootstrapped critic, ``steer.critic_target``, takes the next decision's value there).
 
-Held-out evaluations (``rl.eval_envs`` episodes per task on ``rl.eval_seed``): for Meta-World the
+Held-out evaluations (``rl/steered.py``; ``rl.eval_envs`` episodes per task on ``rl.eval_seed``): for Meta-World the
 project's evaluation by LeRobot's protocol, with the policy as deployed (random noise) at the start
 and the steered policy (the actor's mean noise, ``steer.deterministic_eval``) after; for a JAX
 environment the same two policies in host-stepped episodes from the seed's reset keys. Checkpoints
@@ -38,11 +38,12 @@ import orbax.checkpoint as ocp
 
 from embodied_jax.config_registry import to_dict
 from embodied_jax.rl import host_rollout
-from embodied_jax.rl.loop import MetaWorldHeldOut, RLResult, held_out_row
+from embodied_jax.rl.loop import RLResult, evaluate_when_due, held_out_row, stop_reason
 from embodied_jax.rl.replay import ReplayBuffer
 from embodied_jax.rl.rollout import decisions_per_episode
 from embodied_jax.rl.start import Start, start
-from embodied_jax.rl.steering import SteerNetworks, SteerSettings, make_update, steered_chunk
+from embodied_jax.rl.steered import HostHeldOut, MetaWorldSteeredHeldOut, Steerer
+from embodied_jax.rl.steering import SteerNetworks, SteerSettings, make_update
 from embodied_jax.train.loop import Preempted, SignalFlag
 from embodied_jax.train.metrics import MetricsWriter
 from embodied_jax.train.run_lock import RunLock
@@ -51,100 +52,6 @@ log = logging.getLogger(__name__)
 STATE_DIR = "steer_state"
 REPLAY = "replay.npz"
 CONFIG = "steer_config.json"  # the run's start, RL and steering settings (to_dict), for its evaluations
-
-
-class Steerer:
-    """The frozen policy with the actor in front: ``decide`` for the simulator's observations
-    (the rollout), ``predict`` for the evaluation's raw batches (Meta-World)."""
-
-    def __init__(self, st: Start, nets: SteerNetworks):
-        self.st, self.nets = st, nets
-        agent = st.agent
-
-        def decide(policy_params, actor, obs, key, deterministic):
-            model = agent.merge(policy_params)
-            model_obs = agent.observe(obs)
-            chunk, actor_in, noise = steered_chunk(
-                model, nets, actor, model_obs, obs["state"], key, deterministic, num_steps=agent.num_steps
-            )
-            return agent.act(chunk, obs["state"]), actor_in, noise
-
-        def base(policy_params, obs, key):  # the policy as deployed: the initial noise N(0, 1)
-            model = agent.merge(policy_params)
-            chunk = model.sample_actions(agent.observe(obs), key, num_steps=agent.num_steps)
-            return agent.act(chunk, obs["state"])
-
-        def chunk_for(policy_params, actor, model_obs, state, key):
-            model = agent.merge(policy_params)
-            return steered_chunk(model, nets, actor, model_obs, state, key, True, num_steps=agent.num_steps)[0]
-
-        self.decide = jax.jit(decide, static_argnums=4)
-        self.base = jax.jit(base)
-        self._chunk_for = jax.jit(chunk_for)
-
-    def predict(self, policy_params, actor, raw: dict[str, Any], key) -> np.ndarray:
-        """Robot actions [B, H, A] for a raw observation batch (the bundle's pre- and postprocessing)."""
-        bundle = self.st.bundle
-        obs = jax.tree.map(jnp.asarray, bundle.preprocess(raw))
-        state = np.asarray(raw[bundle.inputs.state_key], np.float32)
-        chunk = self._chunk_for(policy_params, actor, obs, jnp.asarray(state), key)
-        return bundle.postprocess(np.asarray(chunk), state)
-
-
-def host_episodes(env, act, key, decisions: int, k: int) -> tuple[np.ndarray, int]:
-    """One batch of host-stepped episodes with ``act(obs, decision) -> actions [B, H, A]``: (success
-    [B], env steps)."""
-    n = env.num_envs
-    env.reset(key, np.arange(n))
-    for r in range(decisions):
-        if env.done.all():
-            break
-        obs = env.observe()
-        obs["time_step"] = np.full((n,), r * k, np.int32)
-        actions = np.asarray(act(obs, r))
-        for j in range(k):
-            env.step(actions[:, j])
-    return env.success.copy(), int(np.sum(env.steps))
-
-
-class HostHeldOut:
-    """A JAX environment's held-out episodes, host-stepped from the evaluation seed's reset keys:
-    the base policy (random noise) and the steered one on the same initial states."""
-
-    def __init__(self, st: Start, steerer: Steerer, episodes: int, seed: int, decisions: int, k: int):
-        self.env = host_rollout.JaxHostEnvs(st.env, episodes)
-        self.steerer, self.seed, self.decisions, self.k = steerer, seed, decisions, k
-
-    def __call__(self, policy_params, actor=None, deterministic=True) -> dict[str, Any]:
-        key = jax.random.key(self.seed)
-        k_reset, k_policy = jax.random.split(key)
-
-        def act(obs, r):
-            kr = jax.random.fold_in(k_policy, r)
-            if actor is None:
-                return self.steerer.base(policy_params, obs, kr)
-            return self.steerer.decide(policy_params, actor, obs, kr, deterministic)[0]
-
-        success, _ = host_episodes(self.env, act, k_reset, self.decisions, self.k)
-        return {"success_rate": float(success.mean()), "episodes": len(success)}
-
-
-class MetaWorldSteeredHeldOut:
-    """Meta-World's held-out evaluation (``rl.loop.MetaWorldHeldOut``'s settings): the policy as
-    deployed without an actor, the steered policy with one."""
-
-    def __init__(self, st: Start, steerer: Steerer, config, k: int):
-        self.plain = MetaWorldHeldOut(st, config, k)
-        self.steerer = steerer
-
-    def __call__(self, policy_params, actor=None, deterministic=True) -> dict[str, Any]:
-        if actor is None:
-            return self.plain(policy_params)
-
-        def policy(batch, call_seed):
-            return self.steerer.predict(policy_params, actor, batch, jax.random.key(call_seed))
-
-        return self.plain.evaluate(policy, self.plain.tasks, self.plain.settings)
 
 
 def _counters(c: dict) -> dict:
@@ -377,18 +284,17 @@ def train(config, devices: list | None = None) -> RLResult:
                 row.update({k_: float(np.mean([u[k_] for u in update_rows])) for k_ in update_rows[0]})
             over_time = rl.minutes is not None and counters["elapsed_s"] >= 60 * rl.minutes
             last = it >= rl.iterations or over_time or stop.signum is not None
-            fell = False
-            if held_out is not None and (last or (rl.eval_every and it % rl.eval_every == 0)):
-                result = held_out(policy_params, params.actor, settings.deterministic_eval)
-                row.update(held_out_row(rl.task, result))
-                if watch:
-                    below = result["success_rate"] < counters["start_success"]
-                    counters["below_start"] = counters["below_start"] + 1 if below else 0
-                    fell = counters["below_start"] >= rl.stop_below_start
-                if last or fell:
-                    final = {**result, "iteration": it, "seed": rl.eval_seed}
-                    (workdir / "eval").mkdir(exist_ok=True)
-                    (workdir / "eval" / "results.json").write_text(json.dumps(final, indent=2))
+            fell, due = evaluate_when_due(
+                rl,
+                it,
+                last,
+                held_out and (lambda end, a=params.actor: held_out(policy_params, a, settings.deterministic_eval)),
+                counters,
+                watch,
+                workdir,
+                row,
+            )
+            final = due or final
             metrics.write(it, row)
             if last or fell or it % rl.checkpoint_every == 0:
                 lock.check()
@@ -398,14 +304,8 @@ def train(config, devices: list | None = None) -> RLResult:
                 manager.wait_until_finished()
             if stop.signum is not None:
                 raise Preempted(stop.signum or signal.SIGTERM, it)
-            if fell:
-                stopped = (
-                    f"held-out success fell below the start's {counters['start_success']:.1%} in "
-                    f"{rl.stop_below_start} evaluations in a row"
-                )
-                break
-            if over_time:
-                stopped = f"{rl.minutes} minutes (rl.minutes)"
+            stopped = stop_reason(rl, it, counters, fell, over_time)
+            if stopped:
                 break
         return RLResult(workdir, it, metrics.history, final, stopped)
 
@@ -440,13 +340,4 @@ def _transitions(previous, next_actor_in: np.ndarray, next_critic_in: np.ndarray
     }
 
 
-__all__ = [
-    "SteerSettings",
-    "SteerSetup",
-    "Steerer",
-    "held_out_evaluation",
-    "host_episodes",
-    "load_actor",
-    "setup",
-    "train",
-]
+__all__ = ["SteerSettings", "SteerSetup", "held_out_evaluation", "load_actor", "setup", "train"]
