@@ -314,10 +314,7 @@ def _with_returns_to_go(batch: list[dict], gamma: float) -> list[dict]:
     """Each decision's transitions with ``return_to_go``: its reward plus the discounted rewards of
     the same episode's later decisions (an episode ends at success or at the step limit, so nothing
     follows its last decision)."""
-    if not batch:
-        return batch
-    n = max(int(t["row"].max()) + 1 for t in batch if t["row"].size) if any(t["row"].size for t in batch) else 0
-    later = np.zeros(n, np.float32)
+    later = np.zeros(1 + max((int(t["row"].max()) for t in batch if t["row"].size), default=-1), np.float32)
     for transitions in reversed(batch):
         rows = transitions.pop("row")
         later[rows] = transitions["reward"] + gamma * later[rows]
