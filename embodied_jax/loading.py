@@ -47,6 +47,17 @@ def serving_runtime(config: ExperimentConfig, devices: list | None) -> Runtime:
     return build(config, devices)
 
 
+def with_model_edits(config: ExperimentConfig, edits: dict[str, Any] | None, source: Any) -> ExperimentConfig:
+    """``config`` with model fields replaced by ``edits`` (a field the model lacks: ``ValueError``
+    naming ``source``); for settings that leave the weights' shapes alone."""
+    if not edits:
+        return config
+    unknown = sorted(k for k in edits if not hasattr(config.model, k))
+    if unknown:
+        raise ValueError(f"{source}: the run's model config has no {unknown}")
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **edits))
+
+
 def restore_run(
     ckpt_dir: str | os.PathLike,
     *,
@@ -70,11 +81,7 @@ def restore_run(
             raise FileNotFoundError(f"{path}: no checkpoint steps")
         config = from_dict(ckpt.read_json(step, "config"))
         config = dataclasses.replace(config, model=with_assets(config.model, ckpt.step_directory(step)))
-        if model_edits:
-            unknown = sorted(k for k in model_edits if not hasattr(config.model, k))
-            if unknown:
-                raise ValueError(f"{ckpt_dir}: the run's model config has no {unknown}")
-            config = dataclasses.replace(config, model=dataclasses.replace(config.model, **model_edits))
+        config = with_model_edits(config, model_edits, ckpt_dir)
         rt = serving_runtime(config, devices)
         state, norm_stats = ckpt.restore(rt.abstract_state, rt.shardings, step=step)
     finally:
@@ -83,34 +90,41 @@ def restore_run(
 
 
 def load_policy(
-    ckpt_dir: str | os.PathLike, *, step: int | None = None, use_ema: bool = True, devices: list | None = None
+    ckpt_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    use_ema: bool = True,
+    devices: list | None = None,
+    model_edits: dict[str, Any] | None = None,
 ) -> PolicyBundle:
     """A trained policy from a run (``<workdir>``, ``<workdir>/checkpoints``) or an exported policy.
 
     ``step``: the checkpoint step (default: the latest). ``use_ema``: the EMA weights when the run
     kept them. The parameters are replicated over ``devices`` (default: the first local device).
     An exported policy holds one step and one set of weights: ``step`` and ``use_ema`` must be
-    left at their defaults for it.
+    left at their defaults for it. ``model_edits``: model config fields replaced for sampling
+    (``noise_scale``, ``num_inference_steps``), as ``restore_run`` takes them.
     """
     path = pathlib.Path(ckpt_dir).absolute()
     if (path / pretrained.POLICY_FILE).is_file():
         if step is not None or not use_ema:
             raise ValueError(f"{ckpt_dir}: an exported policy holds one step and one set of weights")
-        return _load_exported(path, devices)
-    config, rt, state, norm_stats, step = restore_run(ckpt_dir, step=step, devices=devices)
+        return _load_exported(path, devices, model_edits)
+    config, rt, state, norm_stats, step = restore_run(ckpt_dir, step=step, devices=devices, model_edits=model_edits)
     params = state.ema if (use_ema and state.ema is not None) else state.params
     with rt.context():
         model = rt.parts.merge(params, state.frozen, state.fp8, state.other)
     return PolicyBundle(config, model, norm_stats, step=step)
 
 
-def _load_exported(path: pathlib.Path, devices: list | None) -> PolicyBundle:
+def _load_exported(path: pathlib.Path, devices: list | None, model_edits: dict[str, Any] | None) -> PolicyBundle:
     def inside(name: str, **kw) -> pathlib.Path:  # an export copied from elsewhere may hold links out of it
         return resolve_inside(path, name, what=f"exported policy {path}", **kw)
 
     info = json.loads(inside(pretrained.POLICY_FILE, regular_file=True).read_text())
     config = from_dict(json.loads(inside("config.json", regular_file=True).read_text()))
     config = dataclasses.replace(config, model=with_assets(config.model, path))
+    config = with_model_edits(config, model_edits, path)
     norm_stats = json.loads(inside("norm_stats.json", regular_file=True).read_text())
     rt = serving_runtime(config, devices)
     abstract, shardings = rt.abstract_state, rt.shardings

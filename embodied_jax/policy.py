@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -155,6 +156,20 @@ class DatasetFeatures:
     fps: float
     modality: bool  # the samples carry meta/modality.json's views (state.<group>, ...)
     privileged_dim: int = 0  # width of the training-only feature (ModelInputs.privileged_key); 0: none
+
+
+def check_noise_scale(config: Any) -> None:
+    """``config.noise_scale`` (the spread of sampling's initial noise) is finite and >= 0."""
+    scale = config.noise_scale
+    if not (np.isfinite(scale) and scale >= 0):
+        name = type(config).__name__
+        raise ValueError(f"{name}.noise_scale={scale} must be finite and >= 0 (1: the flow's own noise)")
+
+
+def initial_noise(config: Any, rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sampling's starting chunk: N(0, 1) noise of ``shape`` times ``config.noise_scale`` (0: zeros,
+    the flow's centre; the key is then unused)."""
+    return config.noise_scale * jax.random.normal(rng, shape, jnp.float32)
 
 
 # A family's model and FLOP count, registered beside their code (``implements``) so that its config

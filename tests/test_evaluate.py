@@ -146,6 +146,8 @@ def test_bad_input_is_one_error_line(demo_run, tmp_path, capsys):
     assert "takes 8-dim actions, but the policy predicts" in line
     line = _bad_input([str(demo_run), "--task", "reach", "--envs", "2", "--episodes", "3"], capsys)
     assert "--envs 2 and --episodes 3: a built-in task runs them together" in line
+    line = _bad_input([str(demo_run), "--task", "reach", "--noise-scale", "-1"], capsys)
+    assert "--noise-scale -1.0: must be finite" in line
 
 
 @pytest.mark.skipif(importlib.util.find_spec("metaworld") is None, reason="Meta-World not installed")
@@ -203,6 +205,22 @@ def test_predict_keeps_the_observations_batching(bundle, one):
         bundle.predict({**one, SCENE: one[SCENE][None]})
     with pytest.raises(ObservationError, match=r"mixes batched keys \['task'\]"):
         bundle.predict({**one, "task": [one["task"]]})
+
+
+def test_a_noise_scale_given_at_loading_replaces_the_runs_and_names_its_report(demo_run, bundle, one):
+    from embodied_jax import load_policy
+    from embodied_jax.evaluation.cli import report_dir
+
+    assert bundle.config.model.noise_scale == 1.0
+    centre = load_policy(demo_run, model_edits={"noise_scale": 0.0})
+    assert centre.config.model.noise_scale == 0.0
+    first, second = (centre.predict(one, rng=jax.random.key(k)) for k in (1, 2))
+    np.testing.assert_array_equal(first, second)
+    assert not np.array_equal(first, bundle.predict(one, rng=jax.random.key(1)))
+    with pytest.raises(ValueError, match="has no \\['noise'\\]"):
+        load_policy(demo_run, model_edits={"noise": 0.0})
+    assert report_dir(demo_run, "metaworld:mt10", 4, noise_scale=0.0).name == "metaworld-mt10-step4-noise0"
+    assert report_dir(demo_run, "reach", 4).name == "reach-step4"
 
 
 def test_predict_names_each_bad_input(bundle, one):

@@ -92,6 +92,19 @@ def test_loss_gradients_and_sampling_on_mesh(model, train_outputs):
     assert len(kernel.sharding.device_set) == 8
 
 
+def test_noise_scale_zero_samples_the_flows_centre_whatever_the_key(model, mesh):
+    batch = TINY.synthetic_batch(4, seed=1)
+    with mesh_context(mesh):
+        centre = nnx.eval_shape(lambda: dataclasses.replace(TINY, noise_scale=0.0).make(nnx.Rngs(0)))
+        nnx.update(centre, nnx.state(model))
+        sharded = jax.device_put(batch, batch_shardings(mesh, batch))
+        draw = nnx.jit(lambda m, b, k: m.sample_actions(b, k))
+        first, second = (np.asarray(draw(centre, sharded, jax.random.key(k))) for k in (1, 2))
+    np.testing.assert_array_equal(first, second)
+    with pytest.raises(ValueError, match="noise_scale"):
+        dataclasses.replace(TINY, noise_scale=-1.0)
+
+
 def test_embodiment_gradients_land_only_in_used_slots(train_outputs):
     _, _, _, grads, _ = train_outputs
     head = grads.action_head

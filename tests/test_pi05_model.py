@@ -184,3 +184,29 @@ def test_sampling_on_the_mesh(env):
     assert first.shape == (BATCH, CONFIG.action_horizon, CONFIG.action_dim)
     assert np.isfinite(np.asarray(first)).all()
     np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+
+
+def test_noise_scale_sets_the_spread_of_the_starting_noise(env):
+    """``noise_scale`` s starts sampling from s·N(0, 1) drawn with the call's key: 0.5 gives the
+    chunk of explicitly passed half-size noise, 0 the flow's centre whatever the key."""
+    obs = put(env, {k: v for k, v in env["batch"].items() if k != "actions"})
+    shape = (BATCH, 1, CONFIG.action_horizon, CONFIG.max_action_dim)
+    key = jax.random.key(7)
+    explicit = nnx.jit(lambda m, o, n: m.sample_actions(o, jax.random.key(0), noise=n))
+    with mesh_context(env["mesh"]):
+        half = with_config(env["model"], dataclasses.replace(CONFIG, noise_scale=0.5))
+        centre = with_config(env["model"], dataclasses.replace(CONFIG, noise_scale=0.0))
+        np.testing.assert_allclose(
+            np.asarray(sample(half, obs, key)),
+            np.asarray(explicit(env["model"], obs, 0.5 * jax.random.normal(key, shape))),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+        zero = np.asarray(sample(centre, obs, key))
+        np.testing.assert_array_equal(zero, np.asarray(sample(centre, obs, jax.random.key(8))))
+        from_zeros = explicit(env["model"], obs, np.zeros(shape, np.float32))
+        np.testing.assert_allclose(zero, np.asarray(from_zeros), atol=1e-6)
+        assert not np.allclose(zero, np.asarray(sample(env["model"], obs, key)))
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="noise_scale"):
+            dataclasses.replace(CONFIG, noise_scale=bad)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import pathlib
 import shlex
 import sys
@@ -75,6 +76,8 @@ class EvaluateFlags:
             f"(default: the run's, else {DEFAULT_EXECUTE_STEPS})"
         ),
     ] = None
+    noise_scale: float | None = None
+    """spread of sampling's initial noise, N(0, s^2): 1 the flow's own, 0 its centre (default: the run's)"""
     instruction: str | None = None
     """the prompt for a Playground env (default: its name)"""
     prompts: Literal["lerobot", "project"] | None = None
@@ -96,12 +99,16 @@ class EvaluateFlags:
     """for --record: other work shared the machine during the run"""
 
 
-def report_dir(ckpt: str | pathlib.Path, task: str, step: int, *, use_ema: bool = True) -> pathlib.Path:
-    """``<run>/eval/<task>-step<step>`` (``-no-ema`` for the raw parameters); ``ckpt``: the run
-    directory or its ``checkpoints/``."""
+def report_dir(
+    ckpt: str | pathlib.Path, task: str, step: int, *, use_ema: bool = True, noise_scale: float | None = None
+) -> pathlib.Path:
+    """``<run>/eval/<task>-step<step>`` (``-no-ema`` for the raw parameters, ``-noise<s>`` for a
+    noise scale other than the run's); ``ckpt``: the run directory or its ``checkpoints/``."""
     path = pathlib.Path(ckpt)
     run = path.parent if path.name == "checkpoints" and not (path / "checkpoints").is_dir() else path
     name = f"{task.replace(':', '-')}-step{step}" + ("" if use_ema else "-no-ema")
+    if noise_scale is not None:
+        name += f"-noise{noise_scale:g}"
     return run / "eval" / name
 
 
@@ -122,6 +129,8 @@ def _check(args: EvaluateFlags) -> None:
     ):
         if value is not None and value < least:
             raise EvaluationError(f"{flag} {value}: must be at least {least}")
+    if args.noise_scale is not None and not (math.isfinite(args.noise_scale) and args.noise_scale >= 0):
+        raise EvaluationError(f"--noise-scale {args.noise_scale}: must be finite and at least 0")
     check_task(args.task)
     if not args.task.startswith(METAWORLD) and None not in (args.envs, args.episodes) and args.envs != args.episodes:
         raise EvaluationError(f"--envs {args.envs} and --episodes {args.episodes}: a built-in task runs them together")
@@ -134,8 +143,13 @@ def evaluate(args: EvaluateFlags, argv: Sequence[str]) -> dict[str, Any]:
     _check(args)
     from embodied_jax.loading import load_policy  # builds the model: after the cheap checks
 
-    bundle = load_policy(args.ckpt, step=args.step, use_ema=not args.no_ema)
-    out = pathlib.Path(args.out) if args.out else report_dir(args.ckpt, args.task, bundle.step, use_ema=not args.no_ema)
+    edits = None if args.noise_scale is None else {"noise_scale": args.noise_scale}
+    bundle = load_policy(args.ckpt, step=args.step, use_ema=not args.no_ema, model_edits=edits)
+    out = (
+        pathlib.Path(args.out)
+        if args.out
+        else report_dir(args.ckpt, args.task, bundle.step, use_ema=not args.no_ema, noise_scale=args.noise_scale)
+    )
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -63,6 +63,8 @@ class ServeFlags:
     """checkpoint step (default: the latest)"""
     no_ema: bool = False
     """serve the trained parameters, not their EMA"""
+    noise_scale: float | None = None
+    """spread of sampling's initial noise, N(0, s^2): 1 the flow's own, 0 its centre (default: the run's)"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,10 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = dataclasses.replace(config, api_key=os.environ[API_KEY_ENV])
         host_malloc.return_large_buffers()  # clients' large messages go back to the kernel once answered
         ensure_file_descriptors(config.max_connections)
+        edits = None if flags.noise_scale is None else {"noise_scale": flags.noise_scale}
         if flags.step is None and not flags.no_ema:
-            bundle = load_policy(flags.checkpoint)
+            bundle = load_policy(flags.checkpoint, model_edits=edits)
         else:
-            bundle = load_policy(flags.checkpoint, step=flags.step, use_ema=not flags.no_ema)
+            bundle = load_policy(flags.checkpoint, step=flags.step, use_ema=not flags.no_ema, model_edits=edits)
         server = PolicyServer(bundle, config)
         server.warm_up()
         # Everything loaded so far (the policy, JAX's caches) lives as long as the server: keep it out

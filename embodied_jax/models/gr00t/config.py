@@ -18,7 +18,7 @@ from embodied_jax.models.qwen3 import Qwen3Config
 from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn.block_sparse import BlockSparseTiling
 from embodied_jax.nn.compute import Compute
-from embodied_jax.policy import DatasetFeatures, PolicyConfig
+from embodied_jax.policy import DatasetFeatures, PolicyConfig, check_noise_scale
 
 # Eagle 2.5's towers as GR00T-N1.5 ships them (reference README: Eagle25VLConfig)
 EAGLE_SIGLIP = SiglipConfig(
@@ -72,6 +72,9 @@ class Gr00tConfig(PolicyConfig):
     action_dim: int = 32
     max_state_dim: int = 64
     num_inference_steps: int = 4
+    # Sampling starts from noise drawn from N(0, noise_scale^2): 1 is the flow's own (upstream);
+    # 0 starts every chunk at the flow's centre (deterministic). Training never reads it.
+    noise_scale: float = 1.0
     num_timestep_buckets: int = 1000
     time_beta: tuple[float, float] = (1.5, 1.0)  # flow-matching time t = (time_scale - Beta(*time_beta)) / time_scale
     time_scale: float = 0.999
@@ -96,7 +99,7 @@ class Gr00tConfig(PolicyConfig):
     flow_samples_per_obs: int = 1  # K (noise, time) draws per observation share one backbone pass (upstream: 1)
     block_sparse_tiling: BlockSparseTiling | None = None  # packed rows' attention (None: the platform's)
     # Runs saved before these fields read back with 1 draw and the platform's tiling (config_registry).
-    ADDED_FIELDS = ("flow_samples_per_obs", "block_sparse_tiling")
+    ADDED_FIELDS = ("flow_samples_per_obs", "block_sparse_tiling", "noise_scale")
 
     def __post_init__(self):
         head, llm = self.action_head, self.llm
@@ -134,6 +137,7 @@ class Gr00tConfig(PolicyConfig):
             )
         if self.flow_samples_per_obs < 1:
             raise ValueError(f"Gr00tConfig.flow_samples_per_obs={self.flow_samples_per_obs} must be >= 1")
+        check_noise_scale(self)
         lo, hi = self.synthetic_text_tokens
         if not 2 <= lo <= hi:
             raise ValueError(f"Gr00tConfig.synthetic_text_tokens={self.synthetic_text_tokens} must be 2 <= lo <= hi")

@@ -15,7 +15,7 @@ from embodied_jax.models.gr00t.config import Gr00tConfig
 from embodied_jax.models.gr00t.layout import vl_layout
 from embodied_jax.nn import flow, rtc
 from embodied_jax.nn.lora import LoRAConfig
-from embodied_jax.policy import implements
+from embodied_jax.policy import implements, initial_noise
 
 PER_SAMPLE_KEYS = ("state", "actions", "action_mask", "embodiment_id")
 
@@ -190,7 +190,7 @@ class Gr00tPolicy(nnx.Module):
         k_sde = None
         if sde is not None:
             rng, k_sde = jax.random.split(rng)
-        x = jax.random.normal(rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
+        x = initial_noise(config, rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
         guidance = None
         if prefix_actions is None:
             rtc.check_unguided(prefix_weights)

@@ -14,7 +14,7 @@ from embodied_jax.models.siglip import SiglipConfig
 from embodied_jax.nn.block_sparse import BlockSparseTiling
 from embodied_jax.nn.compute import Compute
 from embodied_jax.nn.lora import LORA_FREEZE_REGEX
-from embodied_jax.policy import DatasetFeatures, PolicyConfig
+from embodied_jax.policy import DatasetFeatures, PolicyConfig, check_noise_scale
 
 GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256)
 GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256, use_adarms=True)
@@ -37,6 +37,9 @@ class Pi05Config(PolicyConfig):
     action_dim: int = 32  # real action dims (loss mask) when the batch has no action_dim_mask
     max_state_dim: int = 32
     num_inference_steps: int = 10
+    # Sampling starts from noise drawn from N(0, noise_scale^2): 1 is the flow's own (upstream);
+    # 0 starts every chunk at the flow's centre (deterministic). Training never reads it.
+    noise_scale: float = 1.0
     flow_samples_per_obs: int = 1
     joint_forward: bool = False
     time_beta: tuple[float, float] = (1.5, 1.0)
@@ -64,7 +67,7 @@ class Pi05Config(PolicyConfig):
     privileged_state_dim: int = 0
     asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
     # runs saved before them read back with the platform's tiling and no head (config_registry)
-    ADDED_FIELDS = ("block_sparse_tiling", "privileged_weight", "privileged_state_dim")
+    ADDED_FIELDS = ("block_sparse_tiling", "privileged_weight", "privileged_state_dim", "noise_scale")
 
     def __post_init__(self):
         if not self.expert.use_adarms:
@@ -79,6 +82,7 @@ class Pi05Config(PolicyConfig):
             raise ValueError(f"Pi05Config: action_dim {self.action_dim} must be in 1..max_action_dim")
         if self.privileged_weight < 0 or self.privileged_state_dim < 0:
             raise ValueError("Pi05Config: privileged_weight and privileged_state_dim must be >= 0")
+        check_noise_scale(self)
 
     @property
     def compute(self) -> Compute:

@@ -20,7 +20,7 @@ from embodied_jax.nn.dense import Dense
 from embodied_jax.nn.embeddings import fill_image_tokens, sincos_embedding
 from embodied_jax.nn.lora import LoRAConfig
 from embodied_jax.parallel.partition import shard_tokens
-from embodied_jax.policy import implements
+from embodied_jax.policy import implements, initial_noise
 
 
 @dataclasses.dataclass
@@ -387,7 +387,7 @@ class Pi05Policy(nnx.Module):
         k_sde = None
         if sde is not None:
             rng, k_sde = jax.random.split(rng)
-        x = jax.random.normal(rng, shape, jnp.float32) if noise is None else jnp.asarray(noise, jnp.float32)
+        x = initial_noise(config, rng, shape) if noise is None else jnp.asarray(noise, jnp.float32)
         x = x.reshape(shape)
         guidance = None
         if prefix_actions is None:
