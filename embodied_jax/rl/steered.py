@@ -33,7 +33,7 @@ class Steerer:
             )
             return agent.act(chunk, obs["state"]), actor_in, noise
 
-        def base(policy_params, obs, key):  # the policy as deployed: the initial noise N(0, 1)
+        def base(policy_params, obs, key):  # the policy as deployed: the run's initial noise (noise_scale)
             model = agent.merge(policy_params)
             chunk = model.sample_actions(agent.observe(obs), key, num_steps=agent.num_steps)
             return agent.act(chunk, obs["state"])

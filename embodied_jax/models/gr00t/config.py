@@ -98,7 +98,7 @@ class Gr00tConfig(PolicyConfig):
     embodiment_id: int = 31  # the data's embodiment slot (upstream "new_embodiment" = 31 for a new robot)
     flow_samples_per_obs: int = 1  # K (noise, time) draws per observation share one backbone pass (upstream: 1)
     block_sparse_tiling: BlockSparseTiling | None = None  # packed rows' attention (None: the platform's)
-    # Runs saved before these fields read back with 1 draw and the platform's tiling (config_registry).
+    # Runs saved before these fields read back with 1 draw, the platform's tiling, N(0, 1) noise (config_registry).
     ADDED_FIELDS = ("flow_samples_per_obs", "block_sparse_tiling", "noise_scale")
 
     def __post_init__(self):

@@ -66,7 +66,7 @@ class Pi05Config(PolicyConfig):
     privileged_weight: float = 0.0
     privileged_state_dim: int = 0
     asset_fields: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
-    # runs saved before them read back with the platform's tiling and no head (config_registry)
+    # runs saved before them read back with the platform's tiling, no head and N(0, 1) noise (config_registry)
     ADDED_FIELDS = ("block_sparse_tiling", "privileged_weight", "privileged_state_dim", "noise_scale")
 
     def __post_init__(self):
