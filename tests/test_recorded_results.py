@@ -35,16 +35,28 @@ def test_readme_headline_rates_come_from_the_rows_of_their_setting(tmp_path, mon
 
     rows = [row(0, 0.5), row(0, 0.75), row(1, 0.25), row(2, 0.0, clean=False), row(3, 1.0, overrides=("--train.seed",))]
     (tmp_path / "toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evaluated = {  # an evaluation's row: no overrides, matched by its command's arguments
+        "commit": "abc1234def",
+        "clean": True,
+        "command": "python -m embodied_jax.evaluate runs/x --task reach --noise-scale 0 --record --shared-machine",
+        "seeds": {"evaluation": 1},
+        "result": {"success_rate": 0.5, "success_ci95": [0.4, 0.6], "episodes": 64},
+    }
+    (tmp_path / "evaluate.jsonl").write_text(json.dumps(evaluated) + "\n")
     lines = (
         headline_table.Headline("toy pick", "toy", ("--task", "pick_place"), "docs/demo.md"),
         headline_table.Headline("toy reach", "toy", (), "docs/demo.md"),
         headline_table.Headline("never run", "absent", (), "docs/demo.md"),
+        headline_table.Headline("centre", "evaluate", ("runs/x", "--task", "reach", "--noise-scale", "0"), "d.md"),
+        headline_table.Headline("other", "evaluate", ("runs/x", "--task", "reach"), "docs/demo.md"),
     )
     monkeypatch.setattr(headline_table, "ROWS", lines)
     table = headline_table.render(tmp_path)
     assert "| toy pick | mean 50.0%, min-max 25.0%-75.0% over 2 training runs, 128 test-seed episodes each |" in table
     assert "| toy reach | 100.0% (90.0%-105.0%), 128 test-seed episodes |" in table
     assert "| never run | no recorded run | `results/absent.jsonl` - |" in table
+    assert "| centre | 50.0% (40.0%-60.0%), 64 test-seed episodes |" in table
+    assert "| other | no recorded run |" in table
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{headline_table.BEGIN}\n{headline_table.END}\n")
     assert not headline_table.is_current(readme, tmp_path)

@@ -1,7 +1,8 @@
 """README's headline success rates, generated from the recorded rows (``results/<benchmark>.jsonl``).
 
 Each line of the table names one setting: a benchmark and the overrides its rows were run with,
-less the per-run flags (``record.setting``: training seed, run directory, bookkeeping). Its clean
+less the per-run flags (``record.setting``: training seed, run directory, bookkeeping); a row
+without overrides (``python -m embodied_jax.evaluate``'s) is matched by its command's arguments. Its clean
 rows, the latest per training seed, give the figure: one run's rate with its 95% interval (and
 Meta-World's difficulty groups), or several runs' mean and min-max. ``python -m
 experiments.benchmarks.report`` writes the table between README's markers; ``--check`` fails when
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shlex
 
 from embodied_jax import records
 from embodied_jax.sim.seeds import TEST_SEED
@@ -92,6 +94,12 @@ ROWS = (
         "docs/metaworld.md",
     ),
     Headline(
+        "&nbsp;&nbsp;the same checkpoint sampled from the flow's centre (`evaluate --noise-scale 0`)",
+        "evaluate",
+        ("runs/mt10_precision_16k", "--task", "metaworld:mt10", "--episodes", "50", "--noise-scale", "0"),
+        "docs/metaworld.md",
+    ),
+    Headline(
         "`metaworld_mt50_gr00t --tasks metaworld:mt10` (GR00T-N1.5, 6000 steps) by LeRobot's protocol",
         "metaworld_mt10_gr00t",
         (
@@ -137,13 +145,21 @@ ROWS = (
 )
 
 
+def row_setting(row: dict) -> tuple[str, ...]:
+    """A row's setting: its overrides', or (an evaluation's row) its command's arguments after
+    ``python -m MODULE``, less the per-run and bookkeeping flags."""
+    if "overrides" in row or "command" not in row:
+        return setting(row.get("overrides", []))
+    return setting(shlex.split(row["command"])[3:])
+
+
 def runs_of(line: Headline, results: pathlib.Path = RESULTS) -> list[dict]:
     """The clean rows of ``line``'s setting, the latest per training seed."""
     path = results / f"{line.benchmark}.jsonl"
     by_seed: dict = {}
     for row in records.read(path):
         if row.get("clean") and "success_rate" in row.get("result", {}):
-            if setting(row.get("overrides", [])) == line.setting:
+            if row_setting(row) == line.setting:
                 by_seed[row.get("seeds", {}).get("training")] = row
     return list(by_seed.values())
 
@@ -153,7 +169,8 @@ def _pct(x: float) -> str:
 
 
 def _seed(row: dict) -> str:
-    seed = row.get("seeds", {}).get("test")
+    seeds = row.get("seeds", {})
+    seed = seeds.get("test", seeds.get("evaluation"))
     return "test-seed" if seed == TEST_SEED else f"seed-{seed}"
 
 
