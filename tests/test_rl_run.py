@@ -34,6 +34,7 @@ def _config(demo_run, workdir, iterations):
             shaping=0.1,  # dense rewards: advantages that are not all zero when no episode succeeds
             demo_batch=4,  # the run's demonstrations beside PPO: their iterator resumes with the run
             num_inference_steps=1,  # the demo run samples with 2: RL's policy is saved with RL's sampler
+            noise_scale=0.5,  # ... and its initial noise (the run's: 1)
             ppo=PPOSettings(epochs=1, minibatches=2),
         ),
     )
@@ -69,6 +70,7 @@ def test_rl_run_resumes_with_identical_metrics_and_loads_with_load_policy(demo_r
     start = load_policy(demo_run)
     assert bundle.step == 2
     assert (bundle.config.model.num_inference_steps, start.config.model.num_inference_steps) == (1, 2)
+    assert (bundle.config.model.noise_scale, start.config.model.noise_scale) == (0.5, 1.0)
     changed = jax.tree.map(lambda p, q: float(np.abs(np.asarray(p) - np.asarray(q)).max()), bundle.params, start.params)
     assert max(jax.tree.leaves(changed)) > 0  # the update moved the policy
     # only its action expert (RLConfig.train's default): vision tower, projector and the VLM's stream bit-identical

@@ -17,6 +17,8 @@ from embodied_jax.train.config import ExperimentConfig
 @register
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
+    ADDED_FIELDS = ("noise_scale",)  # runs saved before it read back with the run's noise (config_registry)
+
     task: str = "reach"  # a built-in MJX task (sim/tasks.py) or "toy_reach"
     num_envs: int = 64  # environments per rollout
     # Rollouts of num_envs episodes each per update (πRL: 8 of 64 environments): num_envs x this many
@@ -42,6 +44,9 @@ class RLConfig:
     # The sampler's denoising steps during RL and afterwards: the held-out evaluations (the start's too) and
     # the checkpoints' config take them, so the policy is deployed as it was trained (None: the model's own).
     num_inference_steps: int | None = None
+    # The spread of each chunk's initial noise, N(0, s^2), during RL and afterwards, kept as num_inference_steps
+    # is (None: the run's ``noise_scale``; 0: every chain starts at the flow's centre, the steps' noise explores).
+    noise_scale: float | None = None
     # Only the executed actions of each chunk (its first execute_steps) count in the likelihood ratio:
     # with k = 1 of a horizon of 8, seven eighths of the chunk's densities never reach the robot.
     executed_log_prob: bool = False
@@ -96,6 +101,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.rollouts_per_update must be >= 1, got {self.rollouts_per_update}")
         if self.num_inference_steps is not None and self.num_inference_steps < 1:
             raise ValueError(f"RLConfig.num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if self.noise_scale is not None and not self.noise_scale >= 0:
+            raise ValueError(f"RLConfig.noise_scale must be >= 0, got {self.noise_scale}")
         if self.noise_level <= 0:
             raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
         if self.critic_warmup < 0:

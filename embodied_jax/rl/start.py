@@ -75,11 +75,11 @@ def _sde(config: RLExperimentConfig, execute_steps: int) -> flow.FlowSDE:
 
 
 def _model_edits(config: RLExperimentConfig) -> dict[str, Any] | None:
-    """With ``rl.num_inference_steps`` the policy is sampled, evaluated and saved with that many
-    denoising steps: the held-out figures (the start's included) and the RL checkpoints' config are
-    those of the sampler RL trained."""
-    n = config.rl.num_inference_steps
-    return None if n is None else {"num_inference_steps": n}
+    """With ``rl.num_inference_steps`` (``rl.noise_scale``) the policy is sampled, evaluated and saved
+    with that many denoising steps (that initial noise): the held-out figures (the start's included)
+    and the RL checkpoints' config are those of the sampler RL trained."""
+    edits = {"num_inference_steps": config.rl.num_inference_steps, "noise_scale": config.rl.noise_scale}
+    return {k: v for k, v in edits.items() if v is not None} or None
 
 
 def _merge(rt: Runtime, state: TrainState):
