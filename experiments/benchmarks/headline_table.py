@@ -100,6 +100,24 @@ ROWS = (
         "docs/metaworld.md",
     ),
     Headline(
+        "&nbsp;&nbsp;the same data trained 32000 steps (`--train.steps 32000`)",
+        "metaworld_mt10",
+        (
+            "--task-data",
+            "reach=150@auto",
+            "push=150@auto",
+            "pick-place=150@auto",
+            "peg-insert-side=150",
+            "--dataset",
+            "runs/mt10_precision_16k/dataset",
+            "--train.steps",
+            "32000",
+            "--train.eval-every",
+            "8000",
+        ),
+        "docs/metaworld.md",
+    ),
+    Headline(
         "`metaworld_mt50_gr00t --tasks metaworld:mt10` (GR00T-N1.5, 6000 steps) by LeRobot's protocol",
         "metaworld_mt10_gr00t",
         (
