@@ -8,6 +8,7 @@ from the experiment's own model trained from scratch on ``task="toy_reach"`` (``
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from embodied_jax.config_registry import register
 from embodied_jax.rl.ppo import PPOSettings
@@ -101,8 +102,8 @@ class RLConfig:
             raise ValueError(f"RLConfig.rollouts_per_update must be >= 1, got {self.rollouts_per_update}")
         if self.num_inference_steps is not None and self.num_inference_steps < 1:
             raise ValueError(f"RLConfig.num_inference_steps must be >= 1, got {self.num_inference_steps}")
-        if self.noise_scale is not None and not self.noise_scale >= 0:
-            raise ValueError(f"RLConfig.noise_scale must be >= 0, got {self.noise_scale}")
+        if self.noise_scale is not None and not (math.isfinite(self.noise_scale) and self.noise_scale >= 0):
+            raise ValueError(f"RLConfig.noise_scale must be finite and >= 0, got {self.noise_scale}")
         if self.noise_level <= 0:
             raise ValueError(f"RLConfig.noise_level must be > 0, got {self.noise_level}")
         if self.critic_warmup < 0:
