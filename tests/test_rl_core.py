@@ -383,7 +383,7 @@ def test_a_value_head_on_the_expert_reads_its_features_of_the_observation_in_bot
 
 
 def test_a_held_out_row_gives_each_metaworld_tasks_rate_beside_the_whole():
-    from embodied_jax.rl.loop import held_out_row
+    from embodied_jax.rl.held_out import held_out_row
 
     result = {"success_rate": 0.25, "per_task": {"push": {"success_rate": 0.1}, "reach": {"success_rate": 0.4}}}
     assert held_out_row("metaworld:push,reach", result) == {

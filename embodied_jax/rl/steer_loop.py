@@ -38,7 +38,8 @@ import orbax.checkpoint as ocp
 
 from embodied_jax.config_registry import to_dict
 from embodied_jax.rl import host_rollout
-from embodied_jax.rl.loop import RLResult, evaluate_when_due, held_out_row, stop_reason
+from embodied_jax.rl.held_out import evaluate_when_due, held_out_row, stop_reason
+from embodied_jax.rl.loop import RLResult
 from embodied_jax.rl.replay import ReplayBuffer
 from embodied_jax.rl.rollout import decisions_per_episode
 from embodied_jax.rl.start import Start, start

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from embodied_jax.rl import host_rollout
-from embodied_jax.rl.loop import MetaWorldHeldOut
+from embodied_jax.rl.held_out import MetaWorldHeldOut
 from embodied_jax.rl.start import Start
 from embodied_jax.rl.steering import SteerNetworks, steered_chunk
 
@@ -94,7 +94,7 @@ class HostHeldOut:
 
 
 class MetaWorldSteeredHeldOut:
-    """Meta-World's held-out evaluation (``rl.loop.MetaWorldHeldOut``'s settings): the policy as
+    """Meta-World's held-out evaluation (``rl.held_out.MetaWorldHeldOut``'s settings): the policy as
     deployed without an actor, the steered policy with one."""
 
     def __init__(self, st: Start, steerer: Steerer, config, k: int):

@@ -46,6 +46,9 @@ MT50_24K = (
     "1",
 )
 
+# metaworld_mt10's precision tasks collected with noise and 150 demonstrations
+MT10_PRECISION_DATA = ("--task-data", "reach=150@auto", "push=150@auto", "pick-place=150@auto", "peg-insert-side=150")
+
 ROWS = (
     Headline("`demo` (π0.5), `reach`", "demo", (), "docs/demo.md"),
     Headline("`demo` (π0.5), `pick_place`, the lift required", "demo", ("--task", "pick_place"), "docs/demo.md"),
@@ -79,11 +82,7 @@ ROWS = (
         "&nbsp;&nbsp;the same with noise and 150 demonstrations on the four precision tasks (`--task-data`)",
         "metaworld_mt10",
         (
-            "--task-data",
-            "reach=150@auto",
-            "push=150@auto",
-            "pick-place=150@auto",
-            "peg-insert-side=150",
+            *MT10_PRECISION_DATA,
             "--collect-workers",
             "1",
             "--train.steps",
@@ -103,11 +102,7 @@ ROWS = (
         "&nbsp;&nbsp;the same data trained 32000 steps (`--train.steps 32000`)",
         "metaworld_mt10",
         (
-            "--task-data",
-            "reach=150@auto",
-            "push=150@auto",
-            "pick-place=150@auto",
-            "peg-insert-side=150",
+            *MT10_PRECISION_DATA,
             "--dataset",
             "runs/mt10_precision_16k/dataset",
             "--train.steps",

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     from embodied_jax.loading import restore_run
     from embodied_jax.rl.config import RLConfig, RLExperimentConfig
     from embodied_jax.rl.diagnostics import executed_actions
-    from embodied_jax.rl.loop import HeldOutEvaluation
+    from embodied_jax.rl.held_out import HeldOutEvaluation
     from embodied_jax.rl.start import start
 
     config = RLExperimentConfig(

@@ -95,13 +95,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _success(st, args: Flags, sdes: dict, key) -> dict:
     """Success over ``args.episodes`` episodes: RL's rollout with each setting's sampler, and the
-    policy as deployed (``rl.loop.HeldOutEvaluation`` on the validation seed)."""
+    policy as deployed (``rl.held_out.HeldOutEvaluation`` on the validation seed)."""
     import jax
     import numpy as np
 
     from embodied_jax.rl import rollout as rollout_lib
     from embodied_jax.rl.config import RLConfig, RLExperimentConfig
-    from embodied_jax.rl.loop import HeldOutEvaluation, critic_functions
+    from embodied_jax.rl.held_out import HeldOutEvaluation
+    from embodied_jax.rl.loop import critic_functions
 
     if st.host_stepped:
         raise SystemExit("--episodes: built-in (MJX) tasks only; Meta-World's rollouts are rl_metaworld's")
